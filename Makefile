@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` and `make test` (see README.md).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+# The development venv takes torch's CPU build (a local wheel on the project's machines, seconds to install).
+# Users installing with plain `pip install .` get whatever torch>=2.4 their index serves; override with
+# `make TORCH_SPEC=torch` to do the same here.
+TORCH_SPEC ?= torch==2.13.0
+DEMO_DIR   ?= demo-data
+BENCH_DIR  ?= bench-data
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench install clean
+
+$(STAMP): pyproject.toml setup.py $(wildcard native/*.c native/*.h)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tierstore info --dir $(DEMO_DIR)
+	$(VENV)/bin/tierstore bench io --dir $(DEMO_DIR) --size 256M --quick
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# Long measurements against references measured in the same run (fio, DeepSpeed aio, torch); see bench/README.md.
+bench: $(STAMP)
+	$(VENV)/bin/tierstore bench io --dir $(BENCH_DIR) --json bench/results/io.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info tierstore/*.so $(DEMO_DIR) $(BENCH_DIR)

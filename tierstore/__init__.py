@@ -1,0 +1,9 @@
+"""tierstore: keep tensors on accelerator memory, page-locked host memory and NVMe files, and move them fast."""
+from . import errors
+from .errors import (CorruptionError, MisuseError, PinnedMemoryError, TierFullError, TierstoreError,
+                     TierstoreIOError)
+
+__version__ = "0.1.0"
+
+__all__ = ["CorruptionError", "MisuseError", "PinnedMemoryError", "TierFullError", "TierstoreError",
+           "TierstoreIOError", "errors", "__version__"]

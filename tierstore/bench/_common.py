@@ -1,0 +1,161 @@
+"""What every benchmark shares: sizes, interleaved A B A B timing, a progress bar, a table, JSON.
+
+[Note: ratios, not lone numbers]
+The machines are shared and the disk is a shared virtual disk whose throughput moves 2x between runs.
+A benchmark therefore measures its references (fio, DeepSpeed, torch, memcpy) in the same run,
+alternating A B A B, and reports each case as a ratio to its reference from the same rounds.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Iterator
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """'256M', '1GiB', '4096', '1.5G' -> bytes (binary units)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"size {text!r} is not understood; write e.g. 4096, 256K, 64M, 2G")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def size_arg(text: str) -> int:
+    """argparse type for sizes."""
+    import argparse
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def gib_s(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / (1 << 30) if seconds > 0 else float("inf")
+
+
+@dataclass
+class Samples:
+    """Timings (seconds) of one case, in the order they were taken."""
+
+    name: str
+    seconds: list[float] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds) if self.seconds else float("nan")
+
+    @property
+    def best(self) -> float:
+        return min(self.seconds) if self.seconds else float("nan")
+
+
+def interleave(cases: dict[str, Callable[[], float | None]], rounds: int,
+               progress: "Progress | None" = None) -> dict[str, Samples]:
+    """Run every case once per round, in the same order each round (A B A B ...).
+
+    A case returns its own elapsed seconds (to exclude set-up) or None to be timed whole."""
+    out = {name: Samples(name) for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            r = fn()
+            out[name].seconds.append(time.perf_counter() - t0 if r is None else float(r))
+            if progress is not None:
+                progress.advance()
+    return out
+
+
+class Progress:
+    """A rich progress bar on stderr (silent when stderr is not a terminal, e.g. under CI)."""
+
+    def __init__(self, total: int, description: str):
+        self._bar = None
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
+                TimeElapsedColumn
+
+            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), transient=True)
+            self._task = self._bar.add_task(description, total=total)
+
+    def __enter__(self) -> "Progress":
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def describe(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=text)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+
+
+def print_table(title: str, columns: list[str], rows: Iterable[Iterable], caption: str | None = None) -> None:
+    """A table on stdout (rich), every cell already formatted by the caller."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption)
+    for i, c in enumerate(columns):
+        table.add_column(c, justify="left" if i == 0 else "right")
+    for r in rows:
+        table.add_row(*[str(x) for x in r])
+    Console(width=max(100, len(columns) * 14)).print(table)
+
+
+def ratio(a: float, b: float) -> str:
+    """'1.23x' for a/b (both throughputs, or both 1/time), '-' when either is missing."""
+    if a is None or b is None or b != b or a != a or b == 0:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if not path:
+        return
+    text = json.dumps(payload, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+    if path == "-":
+        print(text)
+    else:
+        import os
+
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
+@contextmanager
+def timed() -> Iterator[list[float]]:
+    """with timed() as t: ...; t[0] is the elapsed seconds."""
+    box: list[float] = []
+    t0 = time.perf_counter()
+    try:
+        yield box
+    finally:
+        box.append(time.perf_counter() - t0)

@@ -1,0 +1,48 @@
+"""ctypes bindings of native/uring.c. Every call returns 0 / a count or -errno."""
+from __future__ import annotations
+
+import ctypes as C
+
+from .._native import load
+
+READ, WRITE = 0, 1
+FAULT_NONE, FAULT_EIO, FAULT_SHORT, FAULT_ENOSPC = 0, 1, 2, 3
+
+_P = C.c_void_p
+
+
+def lib() -> C.CDLL:
+    lib = load("uring")
+    if not getattr(lib, "_ts_typed", False):
+        lib.ts_ring_create.argtypes = [C.c_uint, C.POINTER(_P)]
+        lib.ts_ring_create.restype = C.c_int
+        lib.ts_ring_destroy.argtypes = [_P]
+        lib.ts_ring_destroy.restype = None
+        lib.ts_ring_depth.argtypes = [_P]
+        lib.ts_ring_depth.restype = C.c_uint
+        lib.ts_submit.argtypes = [_P, C.c_uint64, C.c_int, C.c_int, C.c_int, _P, C.c_uint64, C.c_uint64, C.c_int]
+        lib.ts_submit.restype = C.c_int
+        lib.ts_wake.argtypes = [_P]
+        lib.ts_wake.restype = C.c_int
+        lib.ts_inject.argtypes = [_P, C.c_uint64, C.c_int]
+        lib.ts_inject.restype = None
+        lib.ts_reap.argtypes = [_P, C.POINTER(C.c_uint64), C.POINTER(C.c_int64), C.c_int, C.c_int,
+                                C.POINTER(C.c_int)]
+        lib.ts_reap.restype = C.c_int
+        lib.ts_register_buffers.argtypes = [_P, C.POINTER(_P), C.POINTER(C.c_uint64), C.c_uint]
+        lib.ts_register_buffers.restype = C.c_int
+        lib.ts_unregister_buffers.argtypes = [_P]
+        lib.ts_unregister_buffers.restype = C.c_int
+        lib.ts_register_file_table.argtypes = [_P, C.c_uint]
+        lib.ts_register_file_table.restype = C.c_int
+        lib.ts_update_file.argtypes = [_P, C.c_uint, C.c_int]
+        lib.ts_update_file.restype = C.c_int
+        lib.ts_probe.argtypes = []
+        lib.ts_probe.restype = C.c_int
+        lib._ts_typed = True
+    return lib
+
+
+def probe() -> int:
+    """0 when io_uring can be set up here, else -errno (ImportError when the library is not built)."""
+    return lib().ts_probe()

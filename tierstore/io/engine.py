@@ -1,0 +1,529 @@
+"""Engine: asynchronous reads and writes of host buffers at file offsets.
+
+    eng = Engine()                                # io_uring when the kernel allows it, else threads
+    f = eng.open("/nvme0/x.bin")                  # O_DIRECT where the filesystem allows it
+    fut = eng.write(f, tensor_or_buffer, offset)  # a Future; result() is the byte count
+    eng.wait_all()                                # raises the first error since the last wait_all
+
+[Note: requests and pieces]
+A request (one read/write call) becomes pieces: one per stripe a striped file maps it to, each split in
+`block_size` blocks, and each block split into an O_DIRECT part (buffer address, offset and length 4 KiB
+aligned) and a buffered part for whatever is not aligned. All pieces are in flight together, up to
+`queue_depth` at once; the request's future resolves when the *last* piece has finished, so the caller's
+buffer is never reused while the kernel may still touch it, and carries the first error (naming the
+file, offset and length of the failed piece).
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import errno
+import itertools
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import BackendUnavailableError, MisuseError, TierstoreIOError, TierstoreValueError, io_error
+from . import _uring
+from .files import ALIGN, File, StripedFile
+from .pool import BufferPool
+
+log = logging.getLogger("tierstore.io")
+
+READ, WRITE = _uring.READ, _uring.WRITE
+_OPNAME = {READ: "read", WRITE: "write"}
+FAULTS = {"eio": _uring.FAULT_EIO, "short": _uring.FAULT_SHORT, "enospc": _uring.FAULT_ENOSPC}
+
+
+class IOFuture(Future):
+    """Future of one read/write request; result() is the number of bytes moved."""
+
+    def __init__(self, op: int, name: str, offset: int, nbytes: int, keep: Any):
+        super().__init__()
+        self.op, self.name, self.offset, self.nbytes = op, name, offset, nbytes
+        self._keep = keep  # the buffer must live until every piece is done
+        self._left = 0
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def _piece_done(self, error: BaseException | None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._keep = None
+            if self._error is not None:
+                self.set_exception(self._error)
+            else:
+                self.set_result(self.nbytes)
+
+
+def buffer_address(buf: Any, writable: bool) -> tuple[int, int, Any]:
+    """(address, nbytes, object to keep alive) of a host buffer: a pool Buffer, a CPU torch tensor, a
+    numpy array or anything with the buffer protocol. Must be contiguous."""
+    from .pool import Buffer
+
+    if isinstance(buf, Buffer):
+        buf._check()
+        return buf.addr, buf.nbytes, buf
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu":
+            raise TierstoreValueError(
+                f"the engine moves host memory; got a tensor on {buf.device}: copy it to a host (pinned) buffer first")
+        if not buf.is_contiguous():
+            raise TierstoreValueError("the tensor is not contiguous; pass tensor.contiguous()")
+        return buf.data_ptr(), buf.numel() * buf.element_size(), buf
+    try:
+        arr = np.asarray(buf) if isinstance(buf, np.ndarray) else np.frombuffer(memoryview(buf).cast("B"), np.uint8)
+    except (TypeError, ValueError) as e:
+        raise TierstoreValueError(f"cannot do I/O into a {type(buf).__name__}: {e}; pass a contiguous "
+                                  "tensor, numpy array, bytearray or pool Buffer") from None
+    if not arr.flags.c_contiguous:
+        raise TierstoreValueError("the array is not contiguous; pass np.ascontiguousarray(array)")
+    if writable and not arr.flags.writeable:
+        raise TierstoreValueError(f"cannot read into a read-only {type(buf).__name__}; pass a bytearray or array")
+    return arr.__array_interface__["data"][0], arr.nbytes, (buf, arr)
+
+
+class _Piece:
+    __slots__ = ("fut", "op", "file", "fd", "addr", "length", "offset", "direct")
+
+    def __init__(self, fut, op, file, fd, addr, length, offset, direct):
+        self.fut, self.op, self.file, self.fd = fut, op, file, fd
+        self.addr, self.length, self.offset, self.direct = addr, length, offset, direct
+
+    def finish(self, result: int) -> None:
+        """`result` is bytes moved or -errno. A short count is an error too (end of file / no space)."""
+        err = None
+        if result < 0:
+            err = io_error(-result, _OPNAME[self.op], self.file.path, self.offset, self.length)
+        elif result < self.length:
+            if self.op == READ:
+                what = f"read past end of file (got {result} of {self.length} bytes)"
+                err = TierstoreIOError(errno.EIO, what, self.file.path, self.offset, self.length)
+            else:
+                err = io_error(errno.ENOSPC, f"write (only {result} of {self.length} bytes taken)",
+                               self.file.path, self.offset, self.length)
+        self.fut._piece_done(err)
+
+
+class _Faults:
+    """Test-only fault injection: the nth I/O completion from now is made to fail or come back short."""
+
+    def __init__(self):
+        self.count = 0
+        self.nth = 0
+        self.kind = 0
+        self.lock = threading.Lock()
+
+    def arm(self, nth: int, kind: int) -> None:
+        with self.lock:
+            self.nth = self.count + nth if nth else 0
+            self.kind = kind
+
+    def apply(self, res: int) -> int:
+        with self.lock:
+            self.count += 1
+            if not self.nth or self.count != self.nth:
+                return res
+            self.nth = 0
+            kind = self.kind
+        if kind == _uring.FAULT_EIO:
+            return -errno.EIO
+        if kind == _uring.FAULT_ENOSPC:
+            return -errno.ENOSPC
+        if kind == _uring.FAULT_SHORT:
+            return (res // 2) & ~(ALIGN - 1) if res >= 2 * ALIGN else res // 2 if res > 1 else res
+        return res
+
+
+class _ThreadBackend:
+    """preadv/pwritev on a pool of threads (the GIL is released inside each call)."""
+
+    name = "threads"
+
+    def __init__(self, depth: int):
+        self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="tierstore-io")
+        self.faults = _Faults()
+
+    def submit(self, p: _Piece) -> None:
+        self._pool.submit(self._run, p)
+
+    def _run(self, p: _Piece) -> None:
+        done = 0
+        try:
+            while done < p.length:
+                view = (ctypes.c_char * (p.length - done)).from_address(p.addr + done)
+                try:
+                    if p.op == READ:
+                        n = os.preadv(p.fd, [view], p.offset + done)
+                    else:
+                        n = os.pwritev(p.fd, [view], p.offset + done)
+                except OSError as e:
+                    n = -(e.errno or errno.EIO)
+                n = self.faults.apply(n)
+                if n in (-errno.EINTR, -errno.EAGAIN):
+                    continue
+                if n <= 0:
+                    if n < 0:
+                        p.finish(n)
+                        return
+                    break  # end of file / nothing taken
+                done += n
+        except BaseException as e:  # never lose a completion
+            p.fut._piece_done(e)
+            return
+        p.finish(done)
+
+    def register_buffers(self, regions) -> bool:
+        return False
+
+    def register_file(self, f: File) -> None:
+        pass
+
+    def unregister_file(self, f: File) -> None:
+        pass
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class _UringBackend:
+    """native/uring.c: one ring; any thread submits, one reaper thread completes futures."""
+
+    name = "io_uring"
+    FILE_SLOTS = 4096
+
+    def __init__(self, depth: int):
+        self._lib = _uring.lib()
+        ring = ctypes.c_void_p()
+        rc = self._lib.ts_ring_create(depth, ctypes.byref(ring))
+        if rc < 0:
+            raise BackendUnavailableError(f"io_uring setup failed: {os.strerror(-rc)} (errno {-rc})")
+        self._ring = ring
+        self._pieces: dict[int, _Piece] = {}
+        self._ids = itertools.count(1)
+        self._regions: list[tuple[int, int, int]] = []  # (start, end, buf_index) sorted by start
+        self._starts: list[int] = []
+        self._slots_free: list[int] = []
+        self._slot_lock = threading.Lock()
+        if self._lib.ts_register_file_table(ring, self.FILE_SLOTS) == 0:
+            self._slots_free = list(range(self.FILE_SLOTS - 1, -1, -1))
+        else:
+            log.debug("io_uring: registered files unavailable; using plain descriptors")
+        self._closing = False
+        self._reaper = threading.Thread(target=self._reap_loop, name="tierstore-uring-reaper", daemon=True)
+        self._reaper.start()
+
+    # -- registration ---------------------------------------------------------------------------
+    def register_buffers(self, regions: list[tuple[int, int]]) -> bool:
+        if self._regions:
+            self._lib.ts_unregister_buffers(self._ring)
+            self._regions, self._starts = [], []
+        n = len(regions)
+        addrs = (ctypes.c_void_p * n)(*[a for a, _ in regions])
+        lens = (ctypes.c_uint64 * n)(*[l for _, l in regions])
+        rc = self._lib.ts_register_buffers(self._ring, addrs, lens, n)
+        if rc < 0:
+            log.debug("io_uring: buffer registration refused (%s); using plain reads/writes", os.strerror(-rc))
+            return False
+        self._regions = sorted((a, a + l, i) for i, (a, l) in enumerate(regions))
+        self._starts = [r[0] for r in self._regions]
+        return True
+
+    def register_file(self, f: File) -> None:
+        for fd in (f.fd, f.direct_fd):
+            if fd is None:
+                continue
+            with self._slot_lock:
+                if not self._slots_free:
+                    return
+                slot = self._slots_free.pop()
+            if self._lib.ts_update_file(self._ring, slot, fd) == 0:
+                f.slots[fd] = slot
+            else:
+                with self._slot_lock:
+                    self._slots_free.append(slot)
+
+    def unregister_file(self, f: File) -> None:
+        for fd, slot in list(f.slots.items()):
+            self._lib.ts_update_file(self._ring, slot, -1)
+            with self._slot_lock:
+                self._slots_free.append(slot)
+        f.slots.clear()
+
+    def _buf_index(self, addr: int, length: int) -> int:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0:
+            start, end, idx = self._regions[i]
+            if addr + length <= end:
+                return idx
+        return -1
+
+    # -- requests -------------------------------------------------------------------------------
+    def submit(self, p: _Piece) -> None:
+        pid = next(self._ids)
+        self._pieces[pid] = p
+        slot = p.file.slots.get(p.fd)
+        fixed = slot is not None
+        rc = self._lib.ts_submit(self._ring, pid, p.op, slot if fixed else p.fd, int(fixed), p.addr, p.length,
+                                 p.offset, self._buf_index(p.addr, p.length))
+        if rc < 0:
+            self._pieces.pop(pid, None)
+            p.finish(rc)
+
+    def _reap_loop(self) -> None:
+        ids = (ctypes.c_uint64 * 256)()
+        res = (ctypes.c_int64 * 256)()
+        woken = ctypes.c_int(0)
+        while True:
+            n = self._lib.ts_reap(self._ring, ids, res, 256, 1, ctypes.byref(woken))
+            if n < 0:
+                log.error("io_uring: the ring failed (%s); failing what is in flight", os.strerror(-n))
+                for pid in list(self._pieces):
+                    self._pieces.pop(pid).finish(n)
+                return
+            for i in range(n):
+                p = self._pieces.pop(ids[i])
+                try:
+                    p.finish(res[i])
+                except BaseException:  # a user callback must not kill the reaper
+                    log.exception("error while completing an I/O future")
+            if woken.value and self._closing and not self._pieces:
+                return
+
+    @property
+    def faults(self):
+        return self
+
+    def arm(self, nth: int, kind: int) -> None:
+        self._lib.ts_inject(self._ring, nth, kind)
+
+    def close(self) -> None:
+        self._closing = True
+        self._lib.ts_wake(self._ring)
+        self._reaper.join()
+        self._lib.ts_ring_destroy(self._ring)
+        self._ring = None
+
+
+def io_uring_status() -> tuple[bool, str]:
+    """(available, reason) for io_uring on this machine."""
+    try:
+        rc = _uring.probe()
+    except ImportError as e:
+        return False, str(e)
+    if rc == 0:
+        return True, "io_uring available"
+    if -rc == errno.ENOSYS:
+        return False, "the kernel has no io_uring (ENOSYS)"
+    if -rc == errno.EPERM:
+        return False, "io_uring is forbidden here (EPERM: seccomp profile or kernel.io_uring_disabled)"
+    return False, f"io_uring setup failed: {os.strerror(-rc)}"
+
+
+class Engine:
+    """Asynchronous file I/O of host buffers.
+
+    backend: "auto" (io_uring, else a thread pool, saying why in the log), "io_uring" or "threads".
+    queue_depth: requests in flight at once. block_size: a request is split into pieces of this many
+    bytes, in flight together. direct: open files with O_DIRECT where possible.
+    pool: a BufferPool whose memory is registered with io_uring (fixed buffers).
+    """
+
+    def __init__(self, backend: str = "auto", queue_depth: int = 32, block_size: int = 1 << 20, *,
+                 direct: bool = True, pool: BufferPool | None = None):
+        if backend not in ("auto", "io_uring", "threads"):
+            raise TierstoreValueError(f"backend={backend!r}; choose 'auto', 'io_uring' or 'threads'")
+        if not 1 <= queue_depth <= 4096:
+            raise TierstoreValueError(f"queue_depth={queue_depth} must be in 1..4096")
+        if block_size < ALIGN or block_size % ALIGN:
+            raise TierstoreValueError(f"block_size={block_size} must be a positive multiple of {ALIGN} bytes")
+        self.queue_depth = queue_depth
+        self.block_size = block_size  # bytes
+        self.direct = direct
+        self._backend: Any
+        if backend in ("auto", "io_uring"):
+            ok, why = io_uring_status()
+            if ok:
+                self._backend = _UringBackend(queue_depth)
+            elif backend == "io_uring":
+                raise BackendUnavailableError(f"backend='io_uring' requested but {why}; use backend='auto' "
+                                              "or 'threads'")
+            else:
+                log.warning("tierstore: %s; falling back to the thread-pool backend", why)
+                self._backend = _ThreadBackend(queue_depth)
+        else:
+            self._backend = _ThreadBackend(queue_depth)
+        self.buffers_registered = False
+        if pool is not None:
+            self.register_pool(pool)
+        self._files: dict[str, File] = {}
+        self._owned: list[File | StripedFile] = []
+        self._lock = threading.Lock()
+        self._outstanding: set[IOFuture] = set()
+        self._failed: list[IOFuture] = []
+        self._closed = False
+
+    @property
+    def backend(self) -> str:
+        """Which backend runs: 'io_uring' or 'threads'."""
+        return self._backend.name
+
+    def register_pool(self, pool: BufferPool) -> bool:
+        """Register the pool's memory as fixed buffers (io_uring). Returns whether the kernel took it."""
+        self.buffers_registered = self._backend.register_buffers(pool.regions())
+        return self.buffers_registered
+
+    # -- files ----------------------------------------------------------------------------------
+    def open(self, path: str | os.PathLike, mode: str = "c", *, direct: bool | None = None) -> File:
+        """Open a file for this engine. Modes: 'r', 'r+', 'w' (truncate), 'c' (create, keep contents)."""
+        self._check_open()
+        f = File(path, mode, direct=self.direct if direct is None else direct)
+        self._backend.register_file(f)
+        with self._lock:
+            self._owned.append(f)
+        return f
+
+    def open_striped(self, dirs: list[str | os.PathLike], name: str, mode: str = "c", *,
+                     stripe_unit: int = 1 << 20, direct: bool | None = None) -> StripedFile:
+        """One logical file striped RAID-0 over `dirs` (one per drive), `stripe_unit` bytes per stripe."""
+        self._check_open()
+        sf = StripedFile(dirs, name, mode, stripe_unit=stripe_unit, direct=self.direct if direct is None else direct)
+        for f in sf.parts:
+            self._backend.register_file(f)
+        with self._lock:
+            self._owned.append(sf)
+        return sf
+
+    def close_file(self, f: File | StripedFile) -> None:
+        """Close a file opened by this engine. Its requests must have finished."""
+        for part in f.files():
+            self._backend.unregister_file(part)
+        f.close()
+        with self._lock:
+            if f in self._owned:
+                self._owned.remove(f)
+
+    def _resolve(self, file: File | StripedFile | str | os.PathLike, op: int) -> File | StripedFile:
+        if isinstance(file, (File, StripedFile)):
+            if file.closed:
+                raise MisuseError(f"{file!r} is closed; open it again with engine.open()")
+            return file
+        path = os.path.abspath(os.fspath(file))
+        with self._lock:
+            f = self._files.get(path)
+        if f is None:
+            f = self.open(path, "r+" if os.path.exists(path) else ("c" if op == WRITE else "r"))
+            with self._lock:
+                self._files.setdefault(path, f)
+                f = self._files[path]
+        return f
+
+    # -- requests -------------------------------------------------------------------------------
+    def read(self, file, buffer, offset: int = 0) -> IOFuture:
+        """Read len(buffer) bytes at `offset` of `file` (a File, StripedFile or path) into `buffer`."""
+        return self._submit(READ, file, buffer, offset)
+
+    def write(self, file, buffer, offset: int = 0) -> IOFuture:
+        """Write `buffer` at `offset` of `file` (a File, StripedFile or path)."""
+        return self._submit(WRITE, file, buffer, offset)
+
+    def _submit(self, op: int, file, buffer, offset: int) -> IOFuture:
+        self._check_open()
+        if offset < 0:
+            raise TierstoreValueError(f"offset={offset} must be >= 0")
+        f = self._resolve(file, op)
+        addr, nbytes, keep = buffer_address(buffer, writable=op == READ)
+        fut = IOFuture(op, f.path, offset, nbytes, keep)
+        pieces = list(self._pieces(fut, op, f, addr, nbytes, offset))
+        if not pieces:
+            fut.set_result(0)
+            return fut
+        fut._left = len(pieces)
+        with self._lock:
+            self._outstanding.add(fut)
+        fut.add_done_callback(self._on_done)
+        for p in pieces:
+            self._backend.submit(p)
+        return fut
+
+    def _pieces(self, fut, op, f, addr, nbytes, offset):
+        bs = self.block_size
+        for part, phys, boff, length in f.map(offset, nbytes):
+            a = addr + boff
+            for o in range(0, length, bs):
+                n = min(bs, length - o)
+                pa, po = a + o, phys + o
+                aligned = n - n % ALIGN if (part.direct_fd is not None and pa % ALIGN == 0
+                                             and po % ALIGN == 0) else 0
+                if aligned:
+                    yield _Piece(fut, op, part, part.direct_fd, pa, aligned, po, True)
+                if n - aligned:
+                    yield _Piece(fut, op, part, part.fd, pa + aligned, n - aligned, po + aligned, False)
+
+    def _on_done(self, fut: IOFuture) -> None:
+        with self._lock:
+            self._outstanding.discard(fut)
+            if fut.exception() is not None:
+                self._failed.append(fut)
+
+    def wait_all(self) -> None:
+        """Wait for every request submitted so far; raise the first error since the last wait_all()."""
+        while True:
+            with self._lock:
+                pending = list(self._outstanding)
+            if not pending:
+                break
+            for fut in pending:
+                fut.exception()  # waits; the error is reported below
+        with self._lock:
+            failed, self._failed = self._failed, []
+        if failed:
+            raise failed[0].exception()
+
+    def fsync(self, file: File | StripedFile) -> None:
+        """Make everything written to `file` durable."""
+        file.fsync()
+
+    def inject_fault(self, nth: int, kind: str) -> None:
+        """Test-only: make the nth I/O completion from now fail with EIO / ENOSPC, or come back short."""
+        if kind not in FAULTS:
+            raise TierstoreValueError(f"kind={kind!r}; choose one of {sorted(FAULTS)}")
+        self._backend.faults.arm(nth, FAULTS[kind])
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MisuseError("the engine is closed; create a new Engine")
+
+    def close(self) -> None:
+        """Wait for what is in flight, then release the ring/threads and close the files it opened."""
+        if self._closed:
+            return
+        try:
+            self.wait_all()
+        except TierstoreIOError:
+            pass  # reported through the futures already
+        self._closed = True
+        self._backend.close()
+        with self._lock:
+            owned, self._owned = self._owned, []
+            self._files.clear()
+        for f in owned:
+            f.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Engine(backend={self.backend!r}, queue_depth={self.queue_depth}, block_size={self.block_size})"

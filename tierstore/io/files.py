@@ -1,0 +1,182 @@
+"""Files as the engine sees them: a plain file (O_DIRECT where the filesystem allows it, plus a buffered
+descriptor for what is not aligned) and a striped file (RAID-0 over several directories).
+
+A file maps a logical byte range to physical pieces ``(File, physical_offset, offset_in_range, length)``;
+the engine turns pieces into requests.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+
+from ..errors import TierstoreValueError, io_error
+
+log = logging.getLogger("tierstore.io")
+
+ALIGN = 4096  # bytes
+_MODES = {
+    "r": os.O_RDONLY,
+    "r+": os.O_RDWR,
+    "w": os.O_RDWR | os.O_CREAT | os.O_TRUNC,
+    "c": os.O_RDWR | os.O_CREAT,  # create if missing, keep what is there
+}
+_no_direct_warned: set[int] = set()  # st_dev of filesystems already reported as refusing O_DIRECT
+_warn_lock = threading.Lock()
+
+
+def _flags(mode: str) -> int:
+    try:
+        return _MODES[mode] | getattr(os, "O_CLOEXEC", 0)
+    except KeyError:
+        raise TierstoreValueError(f"mode={mode!r} is not one of {sorted(_MODES)}") from None
+
+
+class File:
+    """One open file. `direct_fd` is None where O_DIRECT is refused (tmpfs, some network filesystems)."""
+
+    def __init__(self, path: str | os.PathLike, mode: str = "c", *, direct: bool = True):
+        self.path = os.fspath(path)
+        self.mode = mode
+        flags = _flags(mode)
+        try:
+            self.fd = os.open(self.path, flags, 0o644)
+        except OSError as e:
+            hint = ""
+            if e.errno == errno.ENOENT:
+                parent = os.path.dirname(os.path.abspath(self.path))
+                hint = (f"the directory {parent!r} does not exist; create it first"
+                        if not os.path.isdir(parent) else "the file does not exist; open it with mode 'c' or 'w'")
+            raise io_error(e.errno or errno.EIO, "open", self.path, None, None, hint) from None
+        self.direct_fd: int | None = None
+        if direct:
+            try:
+                self.direct_fd = os.open(self.path, (flags & ~(os.O_CREAT | os.O_TRUNC)) | os.O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    os.close(self.fd)
+                    raise io_error(e.errno or errno.EIO, "open (O_DIRECT)", self.path, None, None) from None
+                dev = os.fstat(self.fd).st_dev
+                with _warn_lock:
+                    if dev not in _no_direct_warned:
+                        _no_direct_warned.add(dev)
+                        log.info("%s: the filesystem refuses O_DIRECT; using buffered I/O there", self.path)
+        self.slots: dict[int, int] = {}  # fd -> registered-file slot (set by the io_uring backend)
+        self.closed = False
+
+    @property
+    def direct(self) -> bool:
+        return self.direct_fd is not None
+
+    def files(self) -> list["File"]:
+        return [self]
+
+    def map(self, offset: int, length: int) -> list[tuple["File", int, int, int]]:
+        return [(self, offset, 0, length)] if length else []
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def truncate(self, nbytes: int) -> None:
+        os.ftruncate(self.fd, nbytes)
+
+    def fsync(self) -> None:
+        try:
+            os.fsync(self.fd)  # per inode: covers writes through either descriptor
+        except OSError as e:
+            raise io_error(e.errno or errno.EIO, "fsync", self.path, None, None) from None
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            for fd in (self.direct_fd, self.fd):
+                if fd is not None:
+                    os.close(fd)
+
+    def __repr__(self) -> str:
+        return f"File({self.path!r}, direct={self.direct})"
+
+
+class StripedFile:
+    """One logical file striped RAID-0 over one file per directory, `stripe_unit` bytes at a time.
+
+    Logical stripe k lives in directory k % n at physical offset (k // n) * stripe_unit.
+    """
+
+    def __init__(self, dirs: list[str | os.PathLike], name: str, mode: str = "c", *,
+                 stripe_unit: int = 1 << 20, direct: bool = True):
+        if not dirs:
+            raise TierstoreValueError("a striped file needs at least one directory")
+        if stripe_unit <= 0 or stripe_unit % ALIGN:
+            raise TierstoreValueError(f"stripe_unit={stripe_unit} must be a positive multiple of {ALIGN} bytes")
+        self.stripe_unit = stripe_unit  # bytes
+        self.name = name
+        self.path = ",".join(os.path.join(os.fspath(d), name) for d in dirs)
+        self.parts: list[File] = []
+        try:
+            for d in dirs:
+                self.parts.append(File(os.path.join(os.fspath(d), name), mode, direct=direct))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def direct(self) -> bool:
+        return all(p.direct for p in self.parts)
+
+    def files(self) -> list[File]:
+        return list(self.parts)
+
+    def map(self, offset: int, length: int) -> list[tuple[File, int, int, int]]:
+        n, unit = len(self.parts), self.stripe_unit
+        out = []
+        pos, end = offset, offset + length
+        while pos < end:
+            k, within = divmod(pos, unit)
+            take = min(unit - within, end - pos)
+            phys = (k // n) * unit + within
+            part = self.parts[k % n]
+            # Merge with the previous piece when it continues in the same part (n == 1).
+            if out and out[-1][0] is part and out[-1][1] + out[-1][3] == phys:
+                f, o, b, l = out[-1]
+                out[-1] = (f, o, b, l + take)
+            else:
+                out.append((part, phys, pos - offset, take))
+            pos += take
+        return out
+
+    def size(self) -> int:
+        """Logical size: the end of the last byte held in any part."""
+        n, unit = len(self.parts), self.stripe_unit
+        best = 0
+        for i, p in enumerate(self.parts):
+            s = p.size()
+            if s == 0:
+                continue
+            k_local, within = divmod(s - 1, unit)
+            best = max(best, (k_local * n + i) * unit + within + 1)
+        return best
+
+    def truncate(self, nbytes: int) -> None:
+        n, unit = len(self.parts), self.stripe_unit
+        full, rest = divmod(nbytes, unit)  # full stripes, bytes in the last partial stripe
+        for i, p in enumerate(self.parts):
+            stripes = full // n + (1 if i < full % n else 0)
+            extra = rest if i == full % n else 0
+            p.truncate(stripes * unit + extra)
+
+    def fsync(self) -> None:
+        for p in self.parts:
+            p.fsync()
+
+    def close(self) -> None:
+        for p in self.parts:
+            p.close()
+
+    @property
+    def closed(self) -> bool:
+        return all(p.closed for p in self.parts)
+
+    def __repr__(self) -> str:
+        return f"StripedFile({self.name!r} over {len(self.parts)} dirs, unit={self.stripe_unit})"

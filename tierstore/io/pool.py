@@ -1,0 +1,204 @@
+"""BufferPool: one budget of 4 KiB-aligned, page-locked host memory, handed out in fixed-size buffers.
+
+[Note: back-pressure, not assertions]
+DeepSpeed's swappers assert when no buffer is free ("Not enough buffers", #3062) or when a tensor is
+larger than a buffer (#3506). Here the pool is allocated once, never grows past its budget and never
+allocates per I/O: a caller that finds it empty *waits* until another caller releases a buffer, and a
+tensor larger than one buffer is streamed through buffers in pieces by the layer above.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import resource
+import threading
+import time
+
+import torch
+
+from ..errors import MisuseError, PinnedMemoryError, TierstoreValueError
+
+log = logging.getLogger("tierstore.io")
+
+ALIGN = 4096  # bytes: O_DIRECT alignment used everywhere
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def memlock_limit() -> int | None:
+    """The soft RLIMIT_MEMLOCK in bytes, or None when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _fmt(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+class Buffer:
+    """A leased buffer of `nbytes` page-locked bytes at a 4 KiB-aligned address. Release it (or use `with`)."""
+
+    __slots__ = ("pool", "index", "addr", "nbytes", "_released", "__weakref__")
+
+    def __init__(self, pool: "BufferPool", index: int):
+        self.pool = pool
+        self.index = index  # which buffer of the pool
+        self.nbytes = pool.buffer_bytes  # bytes
+        self.addr = pool.base_addr + index * pool.buffer_bytes
+        self._released = False
+
+    def tensor(self, dtype: torch.dtype = torch.uint8, numel: int | None = None) -> torch.Tensor:
+        """A CPU tensor viewing the first `numel` elements (default: as many as fit) of the buffer."""
+        self._check()
+        item = torch.empty((), dtype=dtype).element_size()
+        n = self.nbytes // item if numel is None else numel
+        if n * item > self.nbytes:
+            raise TierstoreValueError(f"{n} elements of {dtype} need {n * item} bytes; the buffer has {self.nbytes}")
+        start = self.index * self.pool.buffer_bytes
+        return self.pool._u8[start:start + n * item].view(dtype)
+
+    def memoryview(self) -> memoryview:
+        self._check()
+        start = self.index * self.pool.buffer_bytes
+        return memoryview(self.pool._mm)[start:start + self.nbytes]
+
+    def _check(self) -> None:
+        if self._released:
+            raise MisuseError("this pool buffer was released; lease a new one with pool.lease()")
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.pool._give_back(self.index)
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self):  # a forgotten lease must not starve the pool
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
+class BufferPool:
+    """`budget_bytes` of page-locked memory split into buffers of `buffer_bytes` (both 4 KiB multiples).
+
+    `lease()` returns a free Buffer, waiting while none is free. With `lock=True` (default) the memory is
+    mlock()ed, and registered with CUDA when a CUDA device is present, so device copies can be async.
+    """
+
+    def __init__(self, budget_bytes: int, buffer_bytes: int = 4 << 20, *, lock: bool = True):
+        if buffer_bytes <= 0 or buffer_bytes % ALIGN:
+            raise TierstoreValueError(f"buffer_bytes={buffer_bytes} must be a positive multiple of {ALIGN}")
+        if budget_bytes < buffer_bytes:
+            raise TierstoreValueError(
+                f"budget_bytes={budget_bytes} is smaller than one buffer ({buffer_bytes} bytes); "
+                "raise the budget or lower buffer_bytes")
+        self.buffer_bytes = buffer_bytes  # bytes
+        self.count = budget_bytes // buffer_bytes
+        self.nbytes = self.count * buffer_bytes  # bytes actually reserved (<= budget)
+        self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.base_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        self._u8 = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.locked = False
+        self._cuda_registered = False
+        if lock:
+            self._lock_pages()
+        self._free = list(range(self.count - 1, -1, -1))
+        self._cond = threading.Condition()
+        self._closed = False
+        self.waits = 0  # times a caller had to wait for a buffer (back-pressure events)
+
+    def _lock_pages(self) -> None:
+        if _libc.mlock(self.base_addr, self.nbytes) != 0:
+            err = ctypes.get_errno()
+            limit = memlock_limit()
+            lim = "unlimited" if limit is None else _fmt(limit)
+            self._u8 = None  # drop the view so the mapping can go
+            self._mm.close()
+            if err in (errno.ENOMEM, errno.EPERM, errno.EAGAIN):
+                raise PinnedMemoryError(
+                    f"cannot page-lock {_fmt(self.nbytes)} of host memory: the page-lock limit "
+                    f"(ulimit -l) is {lim}. Fix: raise it (`ulimit -l unlimited` in the shell, "
+                    "'* - memlock unlimited' in /etc/security/limits.conf, or `docker run --ulimit "
+                    "memlock=-1`), or lower the pinned budget, or pass lock=False (slower device copies)")
+            raise PinnedMemoryError(f"mlock of {_fmt(self.nbytes)} failed: {errno.errorcode.get(err, err)}")
+        self.locked = True
+        if torch.cuda.is_available():  # CUDA-only branch: not run on the CPU-only development machines
+            rc = torch.cuda.cudart().cudaHostRegister(self.base_addr, self.nbytes, 0)
+            self._cuda_registered = int(rc) == 0
+            if not self._cuda_registered:
+                log.warning("cudaHostRegister of the buffer pool failed (%s); device copies will be synchronous", rc)
+
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, nbytes) spans to register with the I/O engine, each at most 1 GiB (the kernel's limit)."""
+        step = max(self.buffer_bytes, (1 << 30) // self.buffer_bytes * self.buffer_bytes)
+        return [(self.base_addr + o, min(step, self.nbytes - o)) for o in range(0, self.nbytes, step)]
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def lease(self, timeout: float | None = None) -> Buffer:
+        """A free buffer; waits (back-pressure) while every buffer is leased. TimeoutError after `timeout` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            if not self._free:
+                self.waits += 1
+            while not self._free:
+                if self._closed:
+                    raise MisuseError("the buffer pool is closed")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(
+                        f"no pool buffer became free within {timeout} s ({self.count} buffers of "
+                        f"{_fmt(self.buffer_bytes)} all leased); release buffers or raise the budget")
+                self._cond.wait(left)
+            if self._closed:
+                raise MisuseError("the buffer pool is closed")
+            return Buffer(self, self._free.pop())
+
+    def try_lease(self) -> Buffer | None:
+        with self._cond:
+            if self._closed or not self._free:
+                return None
+            return Buffer(self, self._free.pop())
+
+    def _give_back(self, index: int) -> None:
+        with self._cond:
+            self._free.append(index)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        if self._cuda_registered:  # CUDA-only branch
+            torch.cuda.cudart().cudaHostUnregister(self.base_addr)
+        if self.locked:
+            _libc.munlock(self.base_addr, self.nbytes)
+            self.locked = False
+        # The mapping itself is unmapped when the last tensor viewing it is gone.
+
+    def __enter__(self) -> "BufferPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"BufferPool({self.count} x {_fmt(self.buffer_bytes)}, free={self.free}, "
+                f"locked={self.locked})")
