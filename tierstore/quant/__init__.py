@@ -1,0 +1,16 @@
+"""Block-wise quantizers: linear int8/int4 and dynamic 8-bit maps, their numcodecs codecs, the 8-bit
+optimizer-state policy and quantized collectives (qwZ / qgZ). See docs/quant.md.
+
+Imports only torch, numpy, numcodecs and tierstore.errors / tierstore._native (nothing from io/ or the store).
+The codecs are registered with numcodecs when ``tierstore.quant.codecs`` is imported (this package does).
+"""
+from __future__ import annotations
+
+from .dynamic import build_tables, magnitudes
+from .layout import DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, SCHEMES, codes_nbytes, num_blocks
+from .quantized import Quantized, dequantize, empty_quantized, error_bound, quantize
+
+__all__ = [
+    "DEFAULT_BLOCK", "MAX_BLOCK", "MIN_BLOCK", "SCHEMES", "Quantized", "build_tables", "codes_nbytes",
+    "dequantize", "empty_quantized", "error_bound", "magnitudes", "num_blocks", "quantize",
+]

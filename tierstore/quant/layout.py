@@ -1,0 +1,73 @@
+"""How a block-quantized tensor is laid out, and the checks every entry point shares.
+
+A tensor of ``n`` elements (any shape, flattened in C order) is cut into blocks of ``block_size`` elements;
+the last block may be partial. Each block has one fp32 ``absmax`` (the largest magnitude in it) and one code
+per element: one byte for the 8-bit schemes, half a byte for int4 (element ``i`` in byte ``i // 2``, even
+elements in the low nibble; a tensor of odd length leaves the last high nibble 0).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import TierstoreValueError
+
+#: scheme name -> code bits per element
+SCHEMES = {
+    "int8": 8,  # linear symmetric, q = round(x * 127 / absmax)
+    "int4": 4,  # linear symmetric, q = round(x * 7 / absmax), stored q + 8 in a nibble
+    "dyn8s": 8,  # dynamic 8-bit map, signed (first moments)
+    "dyn8u": 8,  # dynamic 8-bit map, unsigned (second moments; never maps a nonzero to code 0)
+}
+SCHEME_IDS = {"int8": 0, "int4": 1, "dyn8s": 2, "dyn8u": 3}  # as in native/quant.c
+
+MIN_BLOCK = 64  # elements
+MAX_BLOCK = 8192  # elements (native/quant.c keeps one block of fp32 scratch on the stack)
+DEFAULT_BLOCK = 256  # elements
+
+#: element dtypes the kernels read and write, with their ids in native/quant.c
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def check_scheme(scheme: str) -> str:
+    if scheme not in SCHEMES:
+        raise TierstoreValueError(f"scheme={scheme!r} is not known; use one of {sorted(SCHEMES)}")
+    return scheme
+
+
+def check_block_size(block_size: int) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not (
+            MIN_BLOCK <= block_size <= MAX_BLOCK) or block_size % 2:
+        raise TierstoreValueError(
+            f"block_size={block_size!r} is not allowed; use an even number of elements from {MIN_BLOCK} to "
+            f"{MAX_BLOCK} (256 is the default)")
+    return block_size
+
+
+def check_dtype(dtype: torch.dtype, what: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise TierstoreValueError(f"{what} has dtype {dtype}; quantizers accept float32, bfloat16 and float16 "
+                                  f"(convert with .float() first)")
+    return dtype
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    """Blocks (absmax values) for ``numel`` elements."""
+    return -(-numel // block_size)
+
+
+def codes_nbytes(scheme: str, numel: int) -> int:
+    """Bytes of codes for ``numel`` elements."""
+    return (numel + 1) // 2 if SCHEMES[scheme] == 4 else numel
+
+
+def check_buffer(t: torch.Tensor, what: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """An out= buffer: right dtype, contiguous, CPU, exactly ``numel`` elements."""
+    if not isinstance(t, torch.Tensor):
+        raise TierstoreValueError(f"{what} must be a torch.Tensor, not {type(t).__name__}")
+    if t.dtype != dtype or t.numel() != numel or not t.is_contiguous() or t.device.type != "cpu":
+        raise TierstoreValueError(
+            f"{what} must be a contiguous CPU {dtype} tensor of {numel} elements; got {t.dtype}, "
+            f"{t.numel()} elements, contiguous={t.is_contiguous()}, device={t.device}")
+    return t

@@ -1,0 +1,169 @@
+"""A block-quantized tensor and the two calls that make and undo one: quantize() and dequantize().
+
+[Note: determinism]
+Every block is encoded from its own elements only, in fp32, with round-half-to-even and no fused
+multiply-add, so the bytes depend on the input alone: not on the thread count, the SIMD width of the
+machine (native/quant.c is compiled in several clones) or the backend (the torch reference in
+blockwise.py / dynamic.py gives the same bytes; tests hold the two equal and golden bytes pin the format).
+
+[Note: out= buffers]
+Hot loops (an optimizer step, a collective) allocate nothing: ``quantize(x, out=q)`` writes into the codes
+and absmax of an existing Quantized, ``dequantize(q, out=t)`` into an existing tensor. Dequantizing into a
+fresh 64 MB tensor costs ~10x more than into a reused one here (page faults; research/quant.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import TierstoreValueError
+from . import _native, blockwise, dynamic
+from .layout import (DEFAULT_BLOCK, check_block_size, check_buffer, check_dtype, check_scheme, codes_nbytes,
+                     num_blocks)
+
+
+@dataclass
+class Quantized:
+    """Codes and per-block absmax of one tensor, with what it takes to decode it."""
+
+    scheme: str
+    block_size: int  # elements
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # of the tensor that was quantized (dequantize's default output dtype)
+    codes: torch.Tensor  # uint8, codes_nbytes(scheme, numel) bytes
+    absmax: torch.Tensor  # float32, num_blocks(numel, block_size)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes and scales."""
+        return self.codes.numel() + 4 * self.absmax.numel()
+
+    def dequantize(self, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize(self, out=out, dtype=dtype)
+
+
+def empty_quantized(shape: tuple[int, ...] | torch.Size | int, scheme: str = "int8",
+                    block_size: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32) -> Quantized:
+    """Allocate the buffers once, to be filled by ``quantize(x, out=...)`` in a loop."""
+    check_scheme(scheme)
+    check_block_size(block_size)
+    check_dtype(dtype, "dtype")
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    n = 1
+    for s in shape:
+        n *= s
+    return Quantized(scheme, block_size, shape, dtype, torch.empty(codes_nbytes(scheme, n), dtype=torch.uint8),
+                     torch.empty(num_blocks(n, block_size), dtype=torch.float32))
+
+
+def _use_native(backend: str) -> bool:
+    if backend == "auto":
+        return _native.available()
+    if backend == "native":
+        if not _native.available():
+            raise TierstoreValueError("backend='native' asked for, but tierstore._native_quant is not built; "
+                                      "rebuild with `pip install -e .` or pass backend='torch'")
+        return True
+    if backend == "torch":
+        return False
+    raise TierstoreValueError(f"backend={backend!r} is not known; use 'auto', 'native' or 'torch'")
+
+
+def quantize(x: torch.Tensor, scheme: str = "int8", block_size: int = DEFAULT_BLOCK, *,
+             out: Quantized | None = None, backend: str = "auto", nthreads: int | None = None) -> Quantized:
+    """Block-quantize ``x`` (fp32/bf16/fp16, any shape, any length; CPU).
+
+    ``out``: a Quantized from empty_quantized() (same scheme, block size, element count) to write into.
+    Raises TierstoreValueError on NaN/Inf input. See [Note: determinism], [Note: out= buffers]."""
+    check_scheme(scheme)
+    check_block_size(block_size)
+    if not isinstance(x, torch.Tensor):
+        raise TierstoreValueError(f"x must be a torch.Tensor, not {type(x).__name__}")
+    check_dtype(x.dtype, "x")
+    if x.device.type != "cpu":
+        raise TierstoreValueError(f"x is on {x.device}; the quantizers run on CPU tensors (move it with .cpu())")
+    n = x.numel()
+    if out is None:
+        out = empty_quantized(tuple(x.shape), scheme, block_size, x.dtype)
+    else:
+        if out.scheme != scheme or out.block_size != block_size:
+            raise TierstoreValueError(f"out was made for scheme={out.scheme!r}, block_size={out.block_size}; "
+                                      f"this call asks for {scheme!r}, {block_size}")
+        check_buffer(out.codes, "out.codes", torch.uint8, codes_nbytes(scheme, n))
+        check_buffer(out.absmax, "out.absmax", torch.float32, num_blocks(n, block_size))
+        out.shape, out.dtype = tuple(x.shape), x.dtype
+    if n == 0:
+        return out
+    xc = x.detach().contiguous()
+    if _use_native(backend):
+        _native.quantize(scheme, xc, out.codes, out.absmax, block_size, nthreads)
+        return out
+    # torch reference
+    nb = num_blocks(n, block_size)
+    xf = torch.zeros(nb * block_size, dtype=torch.float32)
+    xf[:n] = xc.reshape(-1)
+    xf = xf.view(nb, block_size)
+    if not torch.isfinite(xf).all():
+        raise TierstoreValueError("x holds NaN or Inf; a block-wise quantizer needs finite values")
+    amax = xf.abs().amax(dim=1)
+    out.absmax.copy_(amax)
+    if scheme in ("int8", "int4"):
+        q = blockwise.encode_reference(xf, amax, scheme).reshape(-1)[:n]
+        out.codes.copy_(blockwise.pack_int4(q) if scheme == "int4" else q.to(torch.int8).view(torch.uint8))
+    else:
+        out.codes.copy_(dynamic.encode_reference(xf, amax, scheme == "dyn8s").reshape(-1)[:n])
+    return out
+
+
+def dequantize(q: Quantized, *, out: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+               backend: str = "auto", nthreads: int | None = None) -> torch.Tensor:
+    """Decode ``q`` into ``out`` (any contiguous fp32/bf16/fp16 tensor of q.numel elements) or a new tensor of
+    q.shape and ``dtype`` (default: the dtype that was quantized)."""
+    n = q.numel
+    if out is None:
+        out = torch.empty(q.shape, dtype=check_dtype(dtype or q.dtype, "dtype"))
+    else:
+        check_dtype(out.dtype, "out")
+        if out.numel() != n or not out.is_contiguous() or out.device.type != "cpu":
+            raise TierstoreValueError(f"out must be a contiguous CPU tensor of {n} elements; got {out.numel()} "
+                                      f"elements, contiguous={out.is_contiguous()}, device={out.device}")
+    check_buffer(q.codes, "q.codes", torch.uint8, codes_nbytes(q.scheme, n))
+    check_buffer(q.absmax, "q.absmax", torch.float32, num_blocks(n, q.block_size))
+    if n == 0:
+        return out
+    if _use_native(backend):
+        _native.dequantize(q.scheme, q.codes, q.absmax, out, q.block_size, nthreads)
+        return out
+    bs = q.block_size
+    nb = num_blocks(n, bs)
+    if q.scheme == "int4":
+        codes = blockwise.unpack_int4(q.codes, n)
+    elif q.scheme == "int8":
+        codes = q.codes.view(torch.int8).to(torch.int32)
+    else:
+        codes = q.codes
+    padded = torch.zeros(nb * bs, dtype=codes.dtype)
+    padded[:n] = codes
+    padded = padded.view(nb, bs)
+    if q.scheme in ("int8", "int4"):
+        x = blockwise.decode_reference(padded, q.absmax, q.scheme)
+    else:
+        x = dynamic.decode_reference(padded, q.absmax, q.scheme == "dyn8s")
+    out.view(-1).copy_(x.reshape(-1)[:n])
+    return out
+
+
+def error_bound(scheme: str) -> float:
+    """max |x - x^| / (block absmax) for ``scheme`` (documented in docs/quant.md)."""
+    check_scheme(scheme)
+    if scheme in ("int8", "int4"):
+        return blockwise.error_bound(scheme)
+    return dynamic.error_bound(scheme == "dyn8s")
