@@ -1,0 +1,76 @@
+"""The accelerator tier: tensors in the memory of any torch accelerator (CUDA, ROCm, XPU, MPS ...).
+
+[Note: the CPU stands in for the accelerator]
+There is no GPU on the development machines, so the tier is written against torch's device-generic API
+(`torch.accelerator`, `Tensor.copy_(non_blocking=True)`, streams via `torch.accelerator`) and, where no
+accelerator is present, runs with `device=cpu` through exactly the same code: a device copy is then a
+separate CPU tensor. Only the synchronisation after a non-blocking copy is skipped on the CPU, where
+copies are synchronous anyway.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Budget, TierStats
+
+
+def default_device() -> torch.device:
+    """The current accelerator when there is one, else the CPU (standing in for it)."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        dev = acc.current_accelerator()
+        if dev is not None:
+            return torch.device(dev.type, acc.current_device_index())
+    return torch.device("cpu")
+
+
+def to_dlpack_tensor(obj) -> torch.Tensor:
+    """Accept torch tensors, numpy arrays and any DLPack producer (cupy, jax ...) at the edges."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    import numpy as np
+
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if hasattr(obj, "__dlpack__"):
+        return torch.from_dlpack(obj)
+    from ..errors import TierstoreValueError
+
+    raise TierstoreValueError(f"cannot store a {type(obj).__name__}: pass a torch.Tensor, a numpy array or "
+                              "an object with __dlpack__ (cupy, jax)")
+
+
+class DeviceTier:
+    """Accelerator memory under a byte budget. `device=None` picks `default_device()`."""
+
+    name = "device"
+
+    def __init__(self, budget_bytes: int | None, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else default_device()
+        self.budget = Budget("device", budget_bytes)
+        self.stats = TierStats("device")
+
+    def synchronize(self) -> None:
+        """Wait for this device's queued copies (a no-op on the CPU stand-in)."""
+        if self.device.type != "cpu":  # accelerator-only branch: copies are queued on its current stream
+            torch.accelerator.current_stream(self.device).synchronize()
+
+    def copy_in(self, src: torch.Tensor) -> torch.Tensor:
+        """A new device tensor holding `src` (any device, any layout); returns when the copy is done."""
+        nbytes = src.numel() * src.element_size()
+        with torch.profiler.record_function("tierstore::to_device"), self.stats.timing("in", nbytes):
+            dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            dst.copy_(src, non_blocking=True)
+            self.synchronize()
+        return dst
+
+    def copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """Copy the device tensor `src` into the host tensor `dst`; returns `dst` when done."""
+        nbytes = src.numel() * src.element_size()
+        with torch.profiler.record_function("tierstore::from_device"), self.stats.timing("out", nbytes):
+            dst.copy_(src, non_blocking=True)
+            self.synchronize()
+        return dst
+
+    def __repr__(self) -> str:
+        return f"DeviceTier({self.device}, {self.budget})"

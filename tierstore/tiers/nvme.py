@@ -1,0 +1,692 @@
+"""The NVMe tier: tensors in a few large extent files, striped over every configured directory.
+
+[Note: extent files, not one file per tensor]
+DeepSpeed writes one file per tensor, named after Python ids: thousands of files, stale files after a
+crash, and small I/O for small tensors. Here a tier owns a few *extent files* (``extents-0000.bin`` ...),
+each one StripedFile over all directories (RAID-0, `stripe_unit` bytes per stripe, so every drive gets
+its share of every large tensor). A tensor's encoded bytes occupy one *extent*: a 4 KiB-aligned range
+``[offset, offset + alloc)`` of one extent file, found by `ExtentAllocator` (first fit in the free spans
+of each file, else the end of a file; a new extent file when a file reaches `extent_file_bytes`). Every
+extent carries the crc32c of its `length` payload bytes, checked on every read.
+
+[Note: small tensors are packed, large ones streamed]
+A tensor whose aligned size fits in a pool buffer is *staged*: copied into the current staging buffer at
+the next 4 KiB boundary of a buffer-sized region allocated in one piece; when the next tensor does not
+fit (or someone needs the data: a read, `sync()`), the buffer is written in one request. 10,000 tensors
+of 4 KiB-1 MiB thus become ~4 MiB writes. A larger tensor streams through pool buffers, a buffer at a
+time, with as many writes in flight as the pool has free buffers (back-pressure when it has none).
+
+[Note: space is never reused before the manifest stops pointing at it]
+Crash safety rests on copy-on-write: a new version of a tensor always goes to free space, and the space
+of a version named by the last durable manifest (`committed`) is only *pending* free until the next
+manifest is durable (`commit_done()`). Space whose write is still in flight, or that a reader is still
+reading, is freed only when that I/O has finished, so two requests never race on the same bytes.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import threading
+from collections import deque
+from concurrent.futures import Future
+
+import crc32c
+import torch
+
+from ..errors import CorruptionError, MisuseError, TierFullError, TierstoreValueError
+from ..io import ALIGN, Buffer, BufferPool, Engine, StripedFile
+from .base import Budget, TierStats
+
+log = logging.getLogger("tierstore.tiers")
+
+EXTENT_FILE = "extents-{:04d}.bin"
+
+
+def align_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def crc_of(t: torch.Tensor, value: int = 0) -> int:
+    """crc32c of a contiguous uint8 CPU tensor."""
+    if t.numel() == 0:
+        return value
+    return crc32c.crc32c(memoryview(t.numpy()), value)
+
+
+class Extent:
+    """Where one tensor's encoded bytes live: `length` payload bytes at `offset` of extent file `file`,
+    `alloc` bytes reserved (4 KiB multiple). `written` is the pending write's future (None once known
+    done); `committed` is True while the last durable manifest names this extent."""
+
+    __slots__ = ("file", "offset", "length", "alloc", "crc", "written", "committed", "readers", "freed")
+
+    def __init__(self, file: int, offset: int, length: int, alloc: int, crc: int, written: Future | None = None):
+        self.file = file
+        self.offset = offset  # bytes, logical offset in the striped extent file
+        self.length = length  # bytes of payload
+        self.alloc = alloc  # bytes reserved (aligned)
+        self.crc = crc
+        self.written = written
+        self.committed = False
+        self.readers = 0
+        self.freed = False
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "offset": self.offset, "length": self.length, "alloc": self.alloc,
+                "crc32c": self.crc}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Extent":
+        e = cls(int(d["file"]), int(d["offset"]), int(d["length"]), int(d["alloc"]), int(d["crc32c"]))
+        e.committed = True
+        return e
+
+    def __repr__(self) -> str:
+        return f"Extent(file={self.file}, offset={self.offset}, length={self.length}, alloc={self.alloc})"
+
+
+class ExtentAllocator:
+    """Free space of the extent files: per file a sorted list of free spans plus the end of used space."""
+
+    def __init__(self, file_bytes: int):
+        if file_bytes <= 0 or file_bytes % ALIGN:
+            raise TierstoreValueError(f"extent_file_bytes={file_bytes} must be a positive multiple of {ALIGN}")
+        self.file_bytes = file_bytes  # bytes: logical size at which a file is full
+        self.free_spans: list[list[tuple[int, int]]] = []  # per file: sorted (start, length)
+        self.ends: list[int] = []  # per file: bytes, end of the last used span
+
+    def _ensure(self, f: int) -> None:
+        while len(self.free_spans) <= f:
+            self.free_spans.append([])
+            self.ends.append(0)
+
+    def alloc(self, nbytes: int) -> tuple[int, int]:
+        """(file, offset) of `nbytes` (a 4 KiB multiple) of free space; may name a new file."""
+        assert nbytes > 0 and nbytes % ALIGN == 0
+        for f, spans in enumerate(self.free_spans):  # first fit in freed space
+            for i, (start, length) in enumerate(spans):
+                if length >= nbytes:
+                    if length == nbytes:
+                        del spans[i]
+                    else:
+                        spans[i] = (start + nbytes, length - nbytes)
+                    return f, start
+        for f, end in enumerate(self.ends):  # then the end of a file with room
+            if end + nbytes <= self.file_bytes:
+                self.ends[f] = end + nbytes
+                return f, end
+        f = len(self.ends)  # a new extent file (a tensor larger than a file gets a file of its own)
+        self._ensure(f)
+        self.ends[f] = nbytes
+        return f, 0
+
+    def free(self, f: int, offset: int, nbytes: int) -> None:
+        if nbytes == 0:
+            return
+        spans = self.free_spans[f]
+        i = bisect.bisect_left(spans, (offset, 0))
+        start, end = offset, offset + nbytes
+        if i > 0 and spans[i - 1][0] + spans[i - 1][1] == start:  # merge with the span before
+            start = spans[i - 1][0]
+            i -= 1
+            del spans[i]
+        if i < len(spans) and spans[i][0] == end:  # and the one after
+            end = spans[i][0] + spans[i][1]
+            del spans[i]
+        if end == self.ends[f]:  # back to the end of the file
+            self.ends[f] = start
+        else:
+            spans.insert(i, (start, end - start))
+
+    def rebuild(self, used: list[tuple[int, int, int]]) -> None:
+        """Set the state from the (file, offset, alloc) spans a manifest names: all the rest is free."""
+        self.free_spans, self.ends = [], []
+        by_file: dict[int, list[tuple[int, int]]] = {}
+        for f, off, n in used:
+            if n:
+                by_file.setdefault(f, []).append((off, n))
+        for f in sorted(by_file):
+            self._ensure(f)
+            pos = 0
+            for off, n in sorted(by_file[f]):
+                if off > pos:
+                    self.free_spans[f].append((pos, off - pos))
+                pos = max(pos, off + n)
+            self.ends[f] = pos
+
+    def free_bytes_in_spans(self) -> int:
+        return sum(n for spans in self.free_spans for _, n in spans)
+
+
+class _Staging:
+    """The buffer small tensors are packed into, and the region of an extent file it will be written to."""
+
+    __slots__ = ("buf", "file", "base", "region", "fill", "future")
+
+    def __init__(self, buf: Buffer, file: int, base: int, region: int):
+        self.buf, self.file, self.base, self.region = buf, file, base, region  # region: bytes
+        self.fill = 0  # bytes packed so far (4 KiB multiple)
+        self.future: Future = Future()
+
+
+class NvmeTier:
+    """Extent files striped over `dirs`, written and read through `engine` and `pool` buffers."""
+
+    name = "nvme"
+
+    def __init__(self, dirs: list[str], engine: Engine, pool: BufferPool, *, budget_bytes: int | None = None,
+                 extent_file_bytes: int = 16 << 30, stripe_unit: int = 1 << 20):
+        self.dirs = [os.path.abspath(os.fspath(d)) for d in dirs]
+        self.engine = engine
+        self.pool = pool
+        self.stripe_unit = stripe_unit  # bytes
+        self.alloc = ExtentAllocator(extent_file_bytes)
+        self.budget = Budget("nvme", budget_bytes)  # counts allocated (aligned) bytes
+        self.stats = TierStats("nvme")
+        self.files: list[StripedFile] = []
+        self._lock = threading.RLock()
+        self._staging: _Staging | None = None
+        self._inflight: set[Future] = set()
+        self._inflight_lock = threading.Lock()
+        self._late: deque[Extent] = deque()  # freed while their write was in flight
+        self._pending_free: list[Extent] = []  # committed extents freed since the last commit
+        self._dirty_files: set[int] = set()
+        self._dirs_unsynced = False
+        self.closed = False
+        self._open_existing()
+
+    # -- files ------------------------------------------------------------------------------------
+    def _open_existing(self) -> None:
+        k = 0
+        while os.path.exists(os.path.join(self.dirs[0], EXTENT_FILE.format(k))):
+            self._file(k)
+            k += 1
+
+    def _file(self, f: int) -> StripedFile:
+        while len(self.files) <= f:
+            name = EXTENT_FILE.format(len(self.files))
+            new = not all(os.path.exists(os.path.join(d, name)) for d in self.dirs)
+            self.files.append(self.engine.open_striped(self.dirs, name, "c", stripe_unit=self.stripe_unit))
+            if new:
+                self._dirs_unsynced = True  # the new names must be durable before a manifest names them
+        return self.files[f]
+
+    def file_paths(self, f: int, offset: int | None = None, length: int | None = None) -> list[str]:
+        """The part files holding bytes of extent file `f` (those holding [offset, offset+length) if given)."""
+        sf = self._file(f)
+        if offset is None or not length:
+            return [p.path for p in sf.parts]
+        return sorted({part.path for part, *_ in sf.map(offset, length)})
+
+    # -- space --------------------------------------------------------------------------------------
+    def _allocate(self, nbytes: int) -> tuple[int, int]:
+        self._drain_late()
+        if self.budget.limit is not None and self.budget.used + nbytes > self.budget.limit:
+            raise TierFullError(f"the nvme tier is full: {self.budget.used} of nvme_budget={self.budget.limit} "
+                                f"bytes used, {nbytes} more needed; raise nvme_budget or delete tensors")
+        f, off = self.alloc.alloc(nbytes)
+        self._file(f)
+        self.budget.take(nbytes)
+        return f, off
+
+    def _release(self, f: int, off: int, nbytes: int) -> None:
+        self.alloc.free(f, off, nbytes)
+        self.budget.give(nbytes)
+
+    def _drain_late(self) -> None:
+        while self._late:
+            e = self._late.popleft()
+            self._release(e.file, e.offset, e.alloc)
+
+    def free(self, e: Extent) -> None:
+        """Give back an extent's space: now, after its write/reads finish, or after the next commit."""
+        with self._lock:
+            if e.freed or e.alloc == 0:
+                e.freed = True
+                return
+            e.freed = True
+            if e.committed:
+                self._pending_free.append(e)
+            elif e.readers:
+                pass  # the last reader frees it (end_read)
+            elif e.written is not None and not e.written.done():
+                e.written.add_done_callback(lambda _f, e=e: self._late.append(e))
+            else:
+                self._release(e.file, e.offset, e.alloc)
+
+    def unfree(self, e: Extent) -> None:
+        """Undo free() of a committed extent (a failed write reverts a tensor to its committed version)."""
+        with self._lock:
+            if e in self._pending_free:
+                self._pending_free.remove(e)
+            e.freed = False
+
+    def protect(self, extents: list[Extent]) -> list[Extent]:
+        """A manifest naming `extents` is about to be written: from now on freeing them only makes them pending
+        (their space must not be reused while that manifest may become durable). Returns those newly
+        protected, for unprotect() when the manifest is not written after all."""
+        with self._lock:
+            new = [e for e in extents if not e.committed and e.alloc]
+            for e in new:
+                e.committed = True
+            return new
+
+    def unprotect(self, extents: list[Extent]) -> None:
+        with self._lock:
+            for e in extents:
+                e.committed = False
+                if e in self._pending_free:
+                    self._pending_free.remove(e)
+                    e.freed = False
+                    self.free(e)
+
+    def commit_done(self, live: list[Extent]) -> None:
+        """The manifest naming exactly `live` is durable: free the pending extents it no longer names."""
+        with self._lock:
+            ids = {id(e) for e in live}
+            pend, self._pending_free = self._pending_free, []
+            for e in pend:
+                if id(e) in ids:  # freed while the manifest naming it was written: wait for the next one
+                    self._pending_free.append(e)
+                    continue
+                e.committed = False
+                e.freed = False
+                self.free(e)
+
+    def adopt(self, extents: list[Extent]) -> None:
+        """Reopen: the manifest's extents are the only used space."""
+        with self._lock:
+            for e in extents:
+                if e.alloc:
+                    self._file(e.file)
+            self.alloc.rebuild([(e.file, e.offset, e.alloc) for e in extents])
+            self.budget.used = sum(e.alloc for e in extents)
+
+    # -- writes ----------------------------------------------------------------------------------
+    def _track(self, fut: Future) -> None:
+        with self._inflight_lock:
+            self._inflight.add(fut)
+
+        def done(f: Future) -> None:
+            with self._inflight_lock:
+                self._inflight.discard(f)
+        fut.add_done_callback(done)
+
+    def write(self, src: torch.Tensor) -> Extent:
+        """Start writing the bytes of `src` (a contiguous uint8 CPU tensor); returns its extent at once.
+
+        The copy is taken before returning, so `src` may change afterwards. `extent.written` resolves when
+        the bytes are in the file (not yet durable: see sync())."""
+        self._check()
+        n = src.numel()
+        if n == 0:
+            return Extent(0, 0, 0, 0, 0)
+        alen = align_up(n)
+        with torch.profiler.record_function("tierstore::nvme_write"), self.stats.timing("in", n):
+            if alen <= self.pool.buffer_bytes:
+                return self._write_staged(src, n, alen)
+            return self._write_streamed(src, n, alen)
+
+    def _write_staged(self, src: torch.Tensor, n: int, alen: int) -> Extent:
+        with self._lock:
+            st = self._staging
+            if st is None or st.fill + alen > st.region:
+                self._seal()
+                buf = self.pool.lease()
+                try:
+                    f, base = self._allocate(self.pool.buffer_bytes)
+                except BaseException:
+                    buf.release()
+                    raise
+                st = self._staging = _Staging(buf, f, base, self.pool.buffer_bytes)
+            pos = st.fill
+            st.buf.tensor(torch.uint8, pos + n)[pos:].copy_(src)
+            st.fill += alen
+            return Extent(st.file, st.base + pos, n, alen, crc_of(src), st.future)
+
+    def _seal(self) -> None:
+        """Write the staging buffer (caller holds the lock)."""
+        st, self._staging = self._staging, None
+        if st is None:
+            return
+        if st.fill < st.region:
+            self._release(st.file, st.base + st.fill, st.region - st.fill)  # the unused tail
+        if st.fill == 0:
+            st.buf.release()
+            st.future.set_result(0)
+            return
+        self._dirty_files.add(st.file)
+        try:
+            io = self.engine.write(self.files[st.file], st.buf.tensor(torch.uint8, st.fill), st.base)
+        except BaseException as e:
+            st.buf.release()
+            st.future.set_exception(e)
+            raise
+        self._track(st.future)
+
+        def done(io_fut: Future, st=st) -> None:
+            st.buf.release()
+            err = io_fut.exception()
+            if err is None:
+                st.future.set_result(st.fill)
+            else:
+                st.future.set_exception(err)
+        io.add_done_callback(done)
+
+    def seal(self) -> None:
+        """Write what is staged now (normally done when the buffer is full or the data is needed)."""
+        with self._lock:
+            self._seal()
+
+    def _write_streamed(self, src: torch.Tensor, n: int, alen: int) -> Extent:
+        with self._lock:
+            f, off = self._allocate(alen)
+            self._dirty_files.add(f)
+            sf = self.files[f]
+        bb = self.pool.buffer_bytes
+        chunks = (alen + bb - 1) // bb
+        fut: Future = Future()
+        state = {"left": chunks, "err": None}
+        lock = threading.Lock()
+
+        def chunk_done(io_fut: Future, buf: Buffer) -> None:
+            buf.release()
+            with lock:
+                if io_fut.exception() is not None and state["err"] is None:
+                    state["err"] = io_fut.exception()
+                state["left"] -= 1
+                last = state["left"] == 0
+            if last:
+                if state["err"] is not None:
+                    fut.set_exception(state["err"])
+                else:
+                    fut.set_result(n)
+
+        self._track(fut)
+        crc = 0
+        for i in range(chunks):
+            a = i * bb
+            take = min(bb, n - a)
+            buf = self.pool.lease()  # waits while every buffer is in flight: back-pressure
+            piece = src[a:a + take]
+            buf.tensor(torch.uint8, take).copy_(piece)
+            crc = crc_of(piece, crc)
+            try:
+                io = self.engine.write(sf, buf.tensor(torch.uint8, align_up(take)), off + a)
+            except BaseException as e:
+                buf.release()
+                with lock:
+                    state["err"] = state["err"] or e
+                    state["left"] -= chunks - i  # this chunk and the ones never submitted
+                    last = state["left"] == 0
+                if last:
+                    fut.set_exception(state["err"])
+                break
+            io.add_done_callback(lambda io_fut, buf=buf: chunk_done(io_fut, buf))
+        return Extent(f, off, n, alen, crc, fut)
+
+    # -- reads -------------------------------------------------------------------------------------
+    def _wait_written(self, e: Extent) -> None:
+        w = e.written
+        if w is None:
+            return
+        if not w.done():
+            with self._lock:
+                if self._staging is not None and self._staging.future is w:
+                    self._seal()
+        w.result()  # raises the write's error
+        e.written = None
+
+    def begin_read(self, e: Extent) -> None:
+        with self._lock:
+            if e.freed and not e.committed:
+                raise MisuseError(f"{e!r} was freed; the tensor was deleted or replaced")
+            e.readers += 1
+
+    def end_read(self, e: Extent) -> None:
+        with self._lock:
+            e.readers -= 1
+            if e.readers == 0 and e.freed and not e.committed:
+                if e.written is not None and not e.written.done():
+                    e.written.add_done_callback(lambda _f, e=e: self._late.append(e))
+                else:
+                    self._release(e.file, e.offset, e.alloc)
+
+    def read(self, e: Extent, out: torch.Tensor, what: str) -> None:
+        """Read extent `e` into `out` (contiguous uint8 CPU tensor of e.length elements), check its crc32c.
+
+        `what` names the tensor in errors. Raises CorruptionError on a checksum mismatch."""
+        self._check()
+        if e.length == 0:
+            return
+        self.begin_read(e)
+        try:
+            self._wait_written(e)
+            with torch.profiler.record_function("tierstore::nvme_read"), self.stats.timing("out", e.length):
+                sf = self.files[e.file]
+                if out.data_ptr() % ALIGN == 0:
+                    self.engine.read(sf, out, e.offset).result()  # O_DIRECT straight into the tensor
+                else:
+                    self._read_through_pool(sf, e, out)
+                self._verify(e, out, what)
+        finally:
+            self.end_read(e)
+
+    def _read_through_pool(self, sf: StripedFile, e: Extent, out: torch.Tensor) -> None:
+        bb = self.pool.buffer_bytes
+        window: deque = deque()
+
+        def finish_oldest() -> None:
+            a, take, buf, io = window.popleft()
+            try:
+                io.result()
+                out[a:a + take].copy_(buf.tensor(torch.uint8, take))
+            finally:
+                buf.release()
+        try:
+            for a in range(0, e.length, bb):
+                take = min(bb, e.length - a)
+                buf = self.pool.try_lease()
+                while buf is None:
+                    if window:
+                        finish_oldest()
+                        buf = self.pool.try_lease()
+                    else:
+                        buf = self.pool.lease()
+                try:
+                    io = self.engine.read(sf, buf.tensor(torch.uint8, align_up(take)), e.offset + a)
+                except BaseException:
+                    buf.release()
+                    raise
+                window.append((a, take, buf, io))
+            while window:
+                finish_oldest()
+        finally:
+            for _a, _t, buf, io in window:
+                try:
+                    io.exception()
+                finally:
+                    buf.release()
+
+    def _verify(self, e: Extent, data: torch.Tensor, what: str) -> None:
+        got = crc_of(data)
+        if got != e.crc:
+            paths = self.file_paths(e.file, e.offset, e.length)
+            raise CorruptionError(
+                f"{what}: checksum mismatch (crc32c {got:#010x}, expected {e.crc:#010x}) reading "
+                f"{e.length} bytes at offset {e.offset} of extent file {EXTENT_FILE.format(e.file)} "
+                f"({', '.join(paths)}); the file was changed outside tierstore or the disk returned bad data",
+                paths[0] if len(paths) == 1 else ",".join(paths), e.offset, e.length)
+
+    def read_many(self, items: list[tuple[Extent, torch.Tensor, str]]) -> list[BaseException | None]:
+        """Read many extents, coalescing neighbours into buffer-sized requests. Returns one error (or None)
+        per item, in order: a corrupt tensor does not stop the others."""
+        self._check()
+        errors: list[BaseException | None] = [None] * len(items)
+        bb = self.pool.buffer_bytes
+        small, big, began = [], [], []
+        for i, (e, out, what) in enumerate(items):
+            if e.length == 0:
+                continue
+            try:
+                self.begin_read(e)
+            except BaseException as exc:
+                errors[i] = exc
+                continue
+            began.append(e)
+            (small if e.alloc <= bb // 2 else big).append(i)
+        try:
+            for i in small + big:
+                try:
+                    self._wait_written(items[i][0])
+                except BaseException as exc:
+                    errors[i] = exc
+            small = [i for i in small if errors[i] is None]
+            big = [i for i in big if errors[i] is None]
+            small.sort(key=lambda i: (items[i][0].file, items[i][0].offset))
+            runs: list[list[int]] = []
+            for i in small:  # coalesce: same file, gap <= 64 KiB, whole run fits one buffer
+                e = items[i][0]
+                if runs:
+                    r0 = items[runs[-1][0]][0]
+                    last = items[runs[-1][-1]][0]
+                    if (e.file == r0.file and 0 <= e.offset - (last.offset + last.alloc) <= (64 << 10)
+                            and e.offset + e.alloc - r0.offset <= bb):
+                        runs[-1].append(i)
+                        continue
+                runs.append([i])
+            with torch.profiler.record_function("tierstore::nvme_read_many"):
+                self._read_runs(items, runs, errors)
+                for i in big:
+                    e, out, what = items[i]
+                    try:
+                        with self.stats.timing("out", e.length):
+                            sf = self.files[e.file]
+                            if out.data_ptr() % ALIGN == 0:
+                                self.engine.read(sf, out, e.offset).result()
+                            else:
+                                self._read_through_pool(sf, e, out)
+                            self._verify(e, out, what)
+                    except BaseException as exc:
+                        errors[i] = exc
+        finally:
+            for e in began:
+                self.end_read(e)
+        return errors
+
+    def _read_runs(self, items, runs: list[list[int]], errors: list) -> None:
+        window: deque = deque()
+
+        def finish_oldest() -> None:
+            run, start, buf, io, t0nbytes = window.popleft()
+            try:
+                try:
+                    io.result()
+                except BaseException as exc:
+                    for i in run:
+                        errors[i] = exc
+                    return
+                whole = buf.tensor(torch.uint8)
+                for i in run:
+                    e, out, what = items[i]
+                    a = e.offset - start
+                    out.copy_(whole[a:a + e.length])
+                    try:
+                        self._verify(e, out, what)
+                    except BaseException as exc:
+                        errors[i] = exc
+                self.stats.add("out", t0nbytes, 0.0)
+            finally:
+                buf.release()
+
+        import time
+        t0 = time.perf_counter()
+        total = 0
+        try:
+            for run in runs:
+                first, last = items[run[0]][0], items[run[-1]][0]
+                length = last.offset + last.alloc - first.offset
+                buf = self.pool.try_lease()
+                while buf is None:
+                    if window:
+                        finish_oldest()
+                        buf = self.pool.try_lease()
+                    else:
+                        buf = self.pool.lease()
+                try:
+                    io = self.engine.read(self.files[first.file], buf.tensor(torch.uint8, length), first.offset)
+                except BaseException as exc:
+                    buf.release()
+                    for i in run:
+                        errors[i] = exc
+                    continue
+                nbytes = sum(items[i][0].length for i in run)
+                total += nbytes
+                window.append((run, first.offset, buf, io, nbytes))
+            while window:
+                finish_oldest()
+        finally:
+            while window:
+                _r, _s, buf, io, _n = window.popleft()
+                io.exception()
+                buf.release()
+            # seconds for the batch as a whole (the per-run adds above counted the bytes)
+            self.stats.add("out", 0, time.perf_counter() - t0)
+            self.stats.ops_out -= 1
+
+    # -- durability -------------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Write what is staged, wait for every write, fsync the files written to (and the directories when
+        files were created). Errors of individual writes stay on their extents' futures; an fsync error
+        raises."""
+        with self._lock:
+            self._seal()
+            dirty, self._dirty_files = self._dirty_files, set()
+            dirs_unsynced, self._dirs_unsynced = self._dirs_unsynced, False
+        with self._inflight_lock:
+            pending = list(self._inflight)
+        for fut in pending:
+            fut.exception()  # wait
+        with torch.profiler.record_function("tierstore::fsync"):
+            try:
+                for f in sorted(dirty):
+                    self.engine.fsync(self.files[f])
+                if dirs_unsynced:
+                    for d in self.dirs:
+                        fsync_dir(d)
+            except BaseException:
+                with self._lock:
+                    self._dirty_files |= dirty
+                    self._dirs_unsynced = self._dirs_unsynced or dirs_unsynced
+                raise
+
+    def _check(self) -> None:
+        if self.closed:
+            raise MisuseError("the nvme tier is closed (its store was closed); open the store again")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        with self._lock:
+            st, self._staging = self._staging, None
+            if st is not None:
+                st.buf.release()
+                if not st.future.done():
+                    st.future.set_exception(MisuseError("the store was closed before this data was written"))
+        with self._inflight_lock:
+            pending = list(self._inflight)
+        for fut in pending:
+            fut.exception()
+        self.closed = True
+        for sf in self.files:
+            self.engine.close_file(sf)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
