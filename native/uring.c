@@ -5,7 +5,7 @@
  * so the file builds with gcc and libc alone, whatever the installed kernel headers say.
  *
  * Model (see docs/io.md, [Note: ring ownership]):
- *   - any thread may call ts_submit(); the submission queue, the pending list and the in-flight count
+ *   - any thread may call ts_submit_many(); the submission queue, the pending list and the in-flight count
  *     are guarded by ring->lock;
  *   - exactly one thread (the engine's reaper) calls ts_reap(); it alone touches the completion queue.
  *   - a request is a read or write of `len` bytes at `off`. It is kept in flight until every byte is
@@ -350,33 +350,68 @@ static int fill_from_pending(struct ts_ring *r)
     return queued ? push_submit(r) : 0;
 }
 
+/* One request as the caller describes it (mirrored by a numpy dtype in tierstore/io/_uring.py). */
+struct ts_io {
+    uint64_t id;       /* returned with the completion; never TS_WAKE_ID */
+    int32_t op;        /* TS_READ / TS_WRITE */
+    int32_t fd;        /* plain descriptor, or registered-file index when fixed_file != 0 */
+    int32_t fixed_file;
+    int32_t buf_index; /* registered buffer holding [addr, addr+len), or -1 */
+    uint64_t addr;
+    uint64_t len;      /* bytes */
+    uint64_t off;      /* bytes */
+};
+_Static_assert(sizeof(struct ts_io) == 48, "ts_io layout is shared with Python");
+
 /*
- * Queue a read or write. `fd` is a plain descriptor, or a registered-file index when fixed_file != 0.
- * `buf_index` >= 0 names the registered buffer that contains [buf, buf+len) (READ/WRITE_FIXED).
- * Returns 0 (the completion will carry `id`) or -errno.
+ * Queue `n` reads/writes with one lock and one io_uring_enter for the whole batch (a syscall per request
+ * costs more than a small request's transfer). All or nothing: on -EINVAL / -ENOMEM none is queued.
+ * Returns 0 (every completion will carry its id) or -errno.
  */
-int ts_submit(struct ts_ring *r, uint64_t id, int op, int fd, int fixed_file, void *buf, uint64_t len, uint64_t off,
-              int buf_index)
+int ts_submit_many(struct ts_ring *r, const struct ts_io *ios, unsigned n)
 {
-    if (!r || id == TS_WAKE_ID || (op != TS_READ && op != TS_WRITE) || fd < 0 || (len > 0 && buf == NULL))
+    if (!r || (n > 0 && !ios))
         return -EINVAL;
-    struct ts_req *q = calloc(1, sizeof(*q));
-    if (!q)
-        return -ENOMEM;
-    q->id = id;
-    q->op = op;
-    q->fd = fd;
-    q->fixed_file = fixed_file != 0;
-    q->buf_index = buf_index;
-    q->buf = buf;
-    q->len = len;
-    q->off = off;
+    for (unsigned i = 0; i < n; i++) {
+        const struct ts_io *io = &ios[i];
+        if (io->id == TS_WAKE_ID || (io->op != TS_READ && io->op != TS_WRITE) || io->fd < 0 ||
+            (io->len > 0 && io->addr == 0))
+            return -EINVAL;
+    }
+    struct ts_req *head = NULL, *tail = NULL;
+    for (unsigned i = 0; i < n; i++) {
+        struct ts_req *q = calloc(1, sizeof(*q));
+        if (!q) {
+            while (head) {
+                struct ts_req *next = head->next;
+                free(head);
+                head = next;
+            }
+            return -ENOMEM;
+        }
+        const struct ts_io *io = &ios[i];
+        q->id = io->id;
+        q->op = io->op;
+        q->fd = io->fd;
+        q->fixed_file = io->fixed_file != 0;
+        q->buf_index = io->buf_index;
+        q->buf = (char *)(uintptr_t)io->addr;
+        q->len = io->len;
+        q->off = io->off;
+        if (tail)
+            tail->next = q;
+        else
+            head = q;
+        tail = q;
+    }
+    if (!head)
+        return 0;
     pthread_mutex_lock(&r->lock);
     if (r->pending_tail)
-        r->pending_tail->next = q;
+        r->pending_tail->next = head;
     else
-        r->pending_head = q;
-    r->pending_tail = q;
+        r->pending_head = head;
+    r->pending_tail = tail;
     int rc = fill_from_pending(r);
     pthread_mutex_unlock(&r->lock);
     return rc;
@@ -561,7 +596,8 @@ int ts_probe(void)
 }
 
 /* The module is loaded with ctypes; this init only lets the import system find the built file. */
-static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native_uring", "tierstore io_uring core (ctypes)", -1,
-                                    NULL};
+static struct PyModuleDef moddef = {
+    PyModuleDef_HEAD_INIT, "_native_uring", "tierstore io_uring core (ctypes)", -1, NULL, NULL, NULL, NULL, NULL,
+};
 
 PyMODINIT_FUNC PyInit__native_uring(void) { return PyModule_Create(&moddef); }

@@ -406,3 +406,40 @@ def test_native_wait_releases_the_gil():
     t.join(5)
     assert not t.is_alive() and out == {"n": 0, "woken": 1}
     lib.ts_ring_destroy(ring)
+
+
+def test_batches_of_small_requests(eng, tmp_path):
+    """write_many/read_many: thousands of small packed requests in one batch, exact; one future for all."""
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(1, 70, 800) * 512  # some 4 KiB multiples, most not
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    total = int(sizes.sum())
+    data = _rand_bytes(rng, total)
+    src = torch.from_numpy(data.copy())
+    path = tmp_path / "many.bin"
+    f = eng.open(path, "w")
+    fut = eng.write_many(f, [(src[o:o + s], int(o)) for o, s in zip(offsets, sizes)])
+    assert fut.result() == total
+    np.testing.assert_array_equal(np.fromfile(path, np.uint8), data)
+    dst = torch.zeros(total, dtype=torch.uint8)
+    order = rng.permutation(len(sizes))
+    assert eng.read_many(f, [(dst[offsets[i]:offsets[i] + sizes[i]], int(offsets[i])) for i in order]).result() == total
+    np.testing.assert_array_equal(dst.numpy(), data)
+    assert eng.write_many(f, []).result() == 0
+
+
+def test_batch_failure_names_the_failed_request(eng, tmp_path):
+    path = tmp_path / "bf.bin"
+    f = eng.open(path, "w")
+    bufs = [np.full(ALIGN, i, np.uint8) for i in range(8)]
+    eng.write_many(f, [(b, i * ALIGN) for i, b in enumerate(bufs)]).result()
+    # Reading 8 pages where the last request runs past the end of the file.
+    outs = [np.empty(ALIGN, np.uint8) for _ in range(8)]
+    reqs = [(o, i * ALIGN) for i, o in enumerate(outs[:7])] + [(outs[7], 7 * ALIGN + 100)]
+    with pytest.raises(TierstoreIOError) as ei:
+        eng.read_many(f, reqs).result()
+    assert ei.value.offset == 7 * ALIGN + 100 and ei.value.length == ALIGN
+    with pytest.raises(TierstoreIOError):
+        eng.wait_all()
+    for i in range(7):
+        assert (outs[i] == i).all()

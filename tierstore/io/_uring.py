@@ -3,12 +3,19 @@ from __future__ import annotations
 
 import ctypes as C
 
+import numpy as np
+
 from .._native import load
 
 READ, WRITE = 0, 1
 FAULT_NONE, FAULT_EIO, FAULT_SHORT, FAULT_ENOSPC = 0, 1, 2, 3
 
 _P = C.c_void_p
+
+# struct ts_io in native/uring.c: one request of a batch.
+IO_DTYPE = np.dtype([("id", np.uint64), ("op", np.int32), ("fd", np.int32), ("fixed_file", np.int32),
+                     ("buf_index", np.int32), ("addr", np.uint64), ("len", np.uint64), ("off", np.uint64)])
+assert IO_DTYPE.itemsize == 48
 
 
 def lib() -> C.CDLL:
@@ -20,8 +27,8 @@ def lib() -> C.CDLL:
         lib.ts_ring_destroy.restype = None
         lib.ts_ring_depth.argtypes = [_P]
         lib.ts_ring_depth.restype = C.c_uint
-        lib.ts_submit.argtypes = [_P, C.c_uint64, C.c_int, C.c_int, C.c_int, _P, C.c_uint64, C.c_uint64, C.c_int]
-        lib.ts_submit.restype = C.c_int
+        lib.ts_submit_many.argtypes = [_P, _P, C.c_uint]
+        lib.ts_submit_many.restype = C.c_int
         lib.ts_wake.argtypes = [_P]
         lib.ts_wake.restype = C.c_int
         lib.ts_inject.argtypes = [_P, C.c_uint64, C.c_int]
