@@ -3,7 +3,10 @@ from . import errors
 from .errors import (CorruptionError, MisuseError, PinnedMemoryError, TierFullError, TierstoreError,
                      TierstoreIOError)
 
+from .store import Store
+from .tensor import TieredTensor
+
 __version__ = "0.1.0"
 
 __all__ = ["CorruptionError", "MisuseError", "PinnedMemoryError", "TierFullError", "TierstoreError",
-           "TierstoreIOError", "errors", "__version__"]
+           "TierstoreIOError", "Store", "TieredTensor", "errors", "__version__"]

@@ -345,10 +345,10 @@ class Store:
                     t._touch()
                     val = t._decode(buf)
                     out[t.name] = val if device is None else val.to(device)
-                elif err is not None and not isinstance(err, (CorruptionError, MisuseError)):
-                    self._write_failed(t, ext, err)
-                    first_error = first_error or err
-                elif isinstance(err, CorruptionError):
+                elif err is not None and not isinstance(err, MisuseError):
+                    w = ext.written
+                    if w is not None and w.done() and w.exception() is not None:  # its write failed
+                        self._write_failed(t, ext, err)
                     first_error = first_error or err
         if first_error is not None:
             raise first_error

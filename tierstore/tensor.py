@@ -250,8 +250,10 @@ class TieredTensor:
                             continue  # replaced while we read: try again
                     raise
                 except Exception as e:
-                    with store._lock:
-                        store._write_failed(self, ext, e)
+                    w = ext.written
+                    if w is not None and w.done() and w.exception() is not None:  # its write failed
+                        with store._lock:
+                            store._write_failed(self, ext, e)
                     raise
             finally:
                 with store._lock:

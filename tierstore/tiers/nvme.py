@@ -220,19 +220,25 @@ class NvmeTier:
         return sorted({part.path for part, *_ in sf.map(offset, length)})
 
     # -- space --------------------------------------------------------------------------------------
-    def _allocate(self, nbytes: int) -> tuple[int, int]:
-        self._drain_late()
+    def _charge(self, nbytes: int) -> None:
+        """Count `nbytes` of extents against the budget (the budget counts extents, not staging regions)."""
         if self.budget.limit is not None and self.budget.used + nbytes > self.budget.limit:
             raise TierFullError(f"the nvme tier is full: {self.budget.used} of nvme_budget={self.budget.limit} "
                                 f"bytes used, {nbytes} more needed; raise nvme_budget or delete tensors")
+        self.budget.take(nbytes)
+
+    def _allocate(self, nbytes: int, account: bool = True) -> tuple[int, int]:
+        self._drain_late()
+        if account:
+            self._charge(nbytes)
         f, off = self.alloc.alloc(nbytes)
         self._file(f)
-        self.budget.take(nbytes)
         return f, off
 
-    def _release(self, f: int, off: int, nbytes: int) -> None:
+    def _release(self, f: int, off: int, nbytes: int, account: bool = True) -> None:
         self.alloc.free(f, off, nbytes)
-        self.budget.give(nbytes)
+        if account:
+            self.budget.give(nbytes)
 
     def _drain_late(self) -> None:
         while self._late:
@@ -331,14 +337,11 @@ class NvmeTier:
     def _write_staged(self, src: torch.Tensor, n: int, alen: int) -> Extent:
         with self._lock:
             st = self._staging
+            self._charge(alen)
             if st is None or st.fill + alen > st.region:
                 self._seal()
                 buf = self.pool.lease()
-                try:
-                    f, base = self._allocate(self.pool.buffer_bytes)
-                except BaseException:
-                    buf.release()
-                    raise
+                f, base = self._allocate(self.pool.buffer_bytes, account=False)
                 st = self._staging = _Staging(buf, f, base, self.pool.buffer_bytes)
             pos = st.fill
             st.buf.tensor(torch.uint8, pos + n)[pos:].copy_(src)
@@ -351,7 +354,7 @@ class NvmeTier:
         if st is None:
             return
         if st.fill < st.region:
-            self._release(st.file, st.base + st.fill, st.region - st.fill)  # the unused tail
+            self._release(st.file, st.base + st.fill, st.region - st.fill, account=False)  # the unused tail
         if st.fill == 0:
             st.buf.release()
             st.future.set_result(0)
