@@ -41,9 +41,10 @@ def collect(directory: str) -> dict:
     limit = memlock_limit()
     accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     du = shutil.disk_usage(directory) if os.path.isdir(directory) else None
-    try:
-        import deepspeed  # noqa: F401  (optional reference for `tierstore bench io`)
-        ds = getattr(deepspeed, "__version__", "installed")
+    try:  # an optional reference for `tierstore bench io`; importing it takes seconds, its metadata does not
+        from importlib.metadata import version
+
+        ds = version("deepspeed")
     except Exception:
         ds = None
     return {

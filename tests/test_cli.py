@@ -1,0 +1,29 @@
+"""The command line: `tierstore info` and a tiny `tierstore bench io` run end to end (JSON checked)."""
+from __future__ import annotations
+
+import json
+
+from tierstore.cli import main
+
+
+def test_info_reports_the_machine(tmp_path, capsys):
+    out = tmp_path / "info.json"
+    assert main(["info", "--dir", str(tmp_path), "--json", str(out)]) == 0
+    facts = json.loads(out.read_text())
+    assert facts["default_backend"] in ("io_uring", "threads")
+    assert facts["o_direct"]["available"] in (True, False) and facts["o_direct"]["why"]
+    assert "io_uring" in capsys.readouterr().out
+
+
+def test_bench_io_runs_small(tmp_path):
+    out = tmp_path / "io.json"
+    rc = main(["bench", "io", "--dir", str(tmp_path / "d"), "--size", "8M", "--block-sizes", "1M",
+               "--queue-depths", "4", "--rounds", "1", "--small-count", "64", "--no-fio", "--no-deepspeed",
+               "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["size"] == 8 << 20 and len(res["sequential"]) == 2
+    for row in res["sequential"]:
+        assert row["threads_gib_s"] > 0
+    assert all(v["requests_per_s"] > 0 for v in res["small"].values())
+    assert not any((tmp_path / "d").iterdir())  # the benchmark cleans up its files
