@@ -9,8 +9,9 @@ from __future__ import annotations
 from .dynamic import build_tables, magnitudes
 from .layout import DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, SCHEMES, codes_nbytes, num_blocks
 from .quantized import Quantized, dequantize, empty_quantized, error_bound, quantize
+from .codecs import BlockInt4, BlockInt8, Dynamic8, codec_for  # registers the codecs with numcodecs
 
 __all__ = [
-    "DEFAULT_BLOCK", "MAX_BLOCK", "MIN_BLOCK", "SCHEMES", "Quantized", "build_tables", "codes_nbytes",
+    "BlockInt4", "BlockInt8", "Dynamic8", "codec_for", "DEFAULT_BLOCK", "MAX_BLOCK", "MIN_BLOCK", "SCHEMES", "Quantized", "build_tables", "codes_nbytes",
     "dequantize", "empty_quantized", "error_bound", "magnitudes", "num_blocks", "quantize",
 ]

@@ -49,6 +49,19 @@ class Quantized:
     def dequantize(self, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize(self, out=out, dtype=dtype)
 
+    def narrow(self, start: int, length: int) -> "Quantized":
+        """A view of elements [start, start + length) (flat), sharing codes and absmax; ``start`` must be a
+        multiple of the block size, and the view must end on a block boundary or at the end of the tensor."""
+        n, bs = self.numel, self.block_size
+        end = start + length
+        if start < 0 or length < 0 or end > n or start % bs or (end % bs and end != n):
+            raise TierstoreValueError(
+                f"narrow({start}, {length}) must start on a block boundary (block_size={bs}) and end on one or "
+                f"at the end ({n} elements)")
+        c0, c1 = (start // 2, (end + 1) // 2) if self.scheme == "int4" else (start, end)
+        return Quantized(self.scheme, bs, (length,), self.dtype, self.codes[c0:c1],
+                         self.absmax[start // bs: num_blocks(end, bs)])
+
 
 def empty_quantized(shape: tuple[int, ...] | torch.Size | int, scheme: str = "int8",
                     block_size: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32) -> Quantized:
