@@ -1,0 +1,161 @@
+"""8-bit optimizer states: policy, training parity with fp32 AdamW, drift, and the zero-point problem."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.optim.adamw import adamw
+
+from tierstore.quant import Quantized, build_tables, dequantize, quantize
+from tierstore.quant.states import AdamW8bit, StatePolicy, Workspace, adamw_step_8bit, init_state
+
+LR = 1e-3
+
+
+def test_policy():
+    pol = StatePolicy.make(keep_fp32=["embed.weight"])
+    big, small = torch.zeros(4096), torch.zeros(4095)
+    assert pol.scheme_for("exp_avg", big) == "dyn8s" and pol.scheme_for("exp_avg_sq", big) == "dyn8u"
+    assert pol.scheme_for("exp_avg", small) is None and pol.scheme_for("step", big) is None
+    assert pol.scheme_for("exp_avg", big, "embed.weight") is None
+    assert StatePolicy.make(keep_fp32=[big]).scheme_for("exp_avg", big) is None
+    assert pol.block_size == 256
+    codec = pol.codec_for("exp_avg_sq", big)
+    assert codec.get_config() == {"id": "tierstore.dynamic8", "block_size": 256, "dtype": "float32", "signed": False}
+    st = init_state(big, pol)
+    assert isinstance(st["exp_avg"], Quantized) and st["exp_avg"].nbytes == 4096 + 16 * 4
+
+
+def _fp32_step(p, g, m, v, s, wd):
+    adamw([p], [g], [m], [v], [], [s], amsgrad=False, beta1=0.9, beta2=0.999, lr=LR, weight_decay=wd, eps=1e-8,
+          maximize=False, fused=True)
+
+
+def _run(scale: torch.Tensor, steps: int, *, exact_zero: bool = False, n: int = 1 << 16, seed: int = 1):
+    """Adam on one tensor with gradients randn * scale, 8-bit states vs fp32 states; returns (p0, p8, pf)."""
+    g0 = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=g0)
+    p8, pf = p0.clone(), p0.clone()
+    st = init_state(p8, StatePolicy())
+    ws = Workspace(1 << 14)
+    m, v, s = torch.zeros(n), torch.zeros(n), torch.zeros(())
+    for _ in range(steps):
+        g = torch.randn(n, generator=g0) * scale
+        if exact_zero:  # control: textbook nearest rounding of v, which sends tiny v to code 0
+            mm, vv = dequantize(st["exp_avg"]), dequantize(st["exp_avg_sq"])
+            _fp32_step(p8, g, mm, vv, st["step"], 0.0)
+            quantize(mm, "dyn8s", 256, out=st["exp_avg"])
+            q = st["exp_avg_sq"]
+            quantize(vv, "dyn8u", 256, out=q)
+            r = vv.view(-1, 256) / q.absmax[:, None]
+            zero = (q.codes.view(-1, 256) == 1) & (r < float(build_tables(False).mids[0]))
+            q.codes.view(-1, 256)[zero] = 0
+        else:
+            adamw_step_8bit(p8, g, st, ws, lr=LR, weight_decay=0.0)
+        _fp32_step(pf, g, m, v, s, 0.0)
+    return p0, p8, pf
+
+
+def test_drift_iid_gradients():
+    steps = 20
+    p0, p8, pf = _run(torch.ones(1 << 16), steps)
+    drift = ((p8 - pf).norm() / (pf - p0).norm()).item()
+    print(f"\niid gradients, {steps} steps: 8-bit vs fp32 AdamW drift {drift:.4f} (relative to the fp32 update)")
+    assert drift <= 2e-2
+
+
+def test_zero_point_wide_range_gradients():
+    """Gradient scale varies 1e4x within every block (v: 1e8x). With exact nearest rounding of v, elements
+    whose v lands on code 0 take steps of m / eps; with the zero-point rule they cannot.
+
+    [Deviation, see docs/quant.md "zero-point"]: the paper's map is coarse in its low decades (the gap above
+    the smallest codes is 1.5-5.5x relative), so nearest rounding still underestimates a small v by up to ~2x
+    on the first step; a handful of elements (out of 65536) end up to ~1.3x past lr x steps. The bound
+    asserted is therefore 1.5x lr x steps, against >= 10x for the control."""
+    steps = 20
+    scale = 10 ** (-4 * torch.rand(1 << 16, generator=torch.Generator().manual_seed(7)))
+    p0, p8, pf = _run(scale, steps)
+    _, pz, _ = _run(scale, steps, exact_zero=True)
+    ours = ((p8 - p0).abs().max() / (LR * steps)).item()
+    control = ((pz - p0).abs().max() / (LR * steps)).item()
+    fp32 = ((pf - p0).abs().max() / (LR * steps)).item()
+    over = int(((p8 - p0).abs() > LR * steps).sum())
+    drift = ((p8 - pf).norm() / (pf - p0).norm()).item()
+    drift_z = ((pz - pf).norm() / (pf - p0).norm()).item()
+    print(f"\nwide-range gradients, {steps} steps: max |change| / (lr x steps): fp32 {fp32:.3f}, ours {ours:.3f} "
+          f"({over} of {p0.numel()} elements past 1), exact-nearest control {control:.1f}; drift vs fp32: ours "
+          f"{drift:.3f}, control {drift_z:.3f}")
+    assert control >= 10
+    assert ours <= 1.5
+    assert drift <= 0.35 and drift_z > 3 * drift
+
+
+def test_training_parity_small_mlp():
+    """A 2-hidden-layer MLP on a noisy regression task it cannot memorise (8192 samples, 10% label noise),
+    mini-batches; the held-out loss after 200 steps, 8-bit states vs fp32 AdamW."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8192 + 1024, 32, generator=g)
+    w1, w2 = torch.randn(32, 16, generator=g), torch.randn(16, 1, generator=g)
+    y = torch.tanh(x @ w1) @ w2 / 4 + 0.1 * torch.randn(x.shape[0], 1, generator=g)
+    xt, yt, xv, yv = x[:8192], y[:8192], x[8192:], y[8192:]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 128),
+                                torch.nn.GELU(), torch.nn.Linear(128, 1))
+    m8 = copy.deepcopy(model)
+    with torch.no_grad():
+        l0 = torch.nn.functional.mse_loss(model(xv), yv).item()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, fused=True)
+    opt8 = AdamW8bit(m8.parameters(), lr=2e-3)
+    order = torch.randperm(8192, generator=g)
+    for step in range(200):
+        idx = order[(step * 256) % 8192:(step * 256) % 8192 + 256]
+        for mod, o in ((model, opt), (m8, opt8)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(mod(xt[idx]), yt[idx]).backward()
+            o.step()
+    with torch.no_grad():
+        lf = torch.nn.functional.mse_loss(model(xv), yv).item()
+        l8 = torch.nn.functional.mse_loss(m8(xv), yv).item()
+    quantized = sum(isinstance(s["exp_avg"], Quantized) for s in opt8.state.values())
+    print(f"\nMLP 200 steps: held-out loss {l0:.4f} -> fp32 AdamW {lf:.5f}, 8-bit states {l8:.5f} "
+          f"({(l8 - lf) / lf * 100:+.2f}%)")
+    assert quantized == 2  # the two large weights; biases and the 128x1 head stay fp32 (< 4096 elements)
+    assert lf < 0.5 * l0  # it learned something
+    assert abs(l8 - lf) <= 0.02 * lf
+
+
+def test_fp32_fallback_path_equals_torch():
+    p = torch.randn(100)
+    st = init_state(p, StatePolicy())  # < 4096 elements: fp32 states
+    pf, m, v, s = p.clone(), torch.zeros(100), torch.zeros(100), torch.zeros(())
+    for _ in range(3):
+        g = torch.randn(100)
+        adamw_step_8bit(p, g, st, Workspace(1024), lr=LR, weight_decay=0.0)
+        _fp32_step(pf, g, m, v, s, 0.0)
+    assert torch.equal(p, pf)
+
+
+def test_chunking_does_not_change_the_result():
+    n = 10_000  # not a multiple of the block: last partial block
+    outs = []
+    for chunk in (256, 1024, 1 << 20):
+        torch.manual_seed(3)
+        p = torch.randn(n)
+        st = init_state(p, StatePolicy())
+        ws = Workspace(chunk)
+        for _ in range(3):
+            adamw_step_8bit(p, torch.randn(n), st, ws, lr=LR)
+        outs.append((p, st["exp_avg"].codes.clone(), st["step"].item()))
+    for p, codes, step in outs[1:]:
+        assert torch.equal(p, outs[0][0]) and torch.equal(codes, outs[0][1]) and step == 3
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape"])
+def test_step_rejects_bad_params(bad):
+    from tierstore.errors import TierstoreValueError
+
+    p = torch.randn(5000, dtype=torch.float64 if bad == "dtype" else torch.float32)
+    g = torch.randn(4999 if bad == "shape" else 5000)
+    with pytest.raises(TierstoreValueError):
+        adamw_step_8bit(p, g, init_state(p.float(), StatePolicy()), Workspace(), lr=LR)
