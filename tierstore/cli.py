@@ -11,7 +11,9 @@ import logging
 import sys
 
 BENCHMARKS = {
+    "quant": "block quantizers (int8/int4/dynamic 8-bit) and the 8-bit AdamW step vs bitsandbytes and torch",
     "io": "sequential and small-request I/O vs fio and DeepSpeed aio",
+    "store": "Store put+flush/get of many small and a few large tensors vs the raw engine and torch.save/load",
 }
 
 

@@ -52,6 +52,7 @@ from .tensor import (IDENTITY, TieredTensor, codec_config, codec_from_config, dt
                      to_numpy)
 from .tiers import TIERS, DeviceTier, Extent, HostTier, NvmeTier, tier_index
 from .tiers.device import to_dlpack_tensor
+from .tiers.host import result_empty
 from .tiers.nvme import fsync_dir
 
 log = logging.getLogger("tierstore.store")
@@ -332,7 +333,7 @@ class Store:
                     t._pins += 1
                     batch.append((t, ext, t._version))
         try:
-            bufs = [self._host.empty((ext.length,), torch.uint8) for _t, ext, _v in batch]
+            bufs = [result_empty(ext.length) for _t, ext, _v in batch]
             errors = self._nvme.read_many([(ext, b, f"tensor {t.name!r}") for (t, ext, _v), b in zip(batch, bufs)])
         finally:
             with self._lock:

@@ -28,6 +28,7 @@ import torch
 
 from .errors import MisuseError, TierstoreValueError
 from .tiers import TIERS, Extent, tier_index
+from .tiers.host import result_empty
 
 if TYPE_CHECKING:
     from .store import Store
@@ -241,7 +242,7 @@ class TieredTensor:
                 version = self._version
                 self._pins += 1
             try:
-                data = store._host.empty((ext.length,), torch.uint8)
+                data = result_empty(ext.length)  # the caller's result, not a host-tier copy
                 try:
                     store._nvme.read(ext, data, f"tensor {self.name!r}")
                 except MisuseError:

@@ -44,6 +44,16 @@ def aligned_empty(nbytes: int, *, lock: bool = True) -> torch.Tensor:
     return t
 
 
+def result_empty(nbytes: int) -> torch.Tensor:
+    """Memory for a tensor handed to the caller (get()): torch's allocator, whose recycled heap spares the
+    page faults a fresh mapping costs, except for large tensors, which get a 4 KiB-aligned mapping so the
+    nvme tier reads them with O_DIRECT straight into place."""
+    return aligned_empty(nbytes, lock=False) if nbytes >= RESULT_ALIGNED_MIN else torch.empty(nbytes, dtype=torch.uint8)
+
+
+RESULT_ALIGNED_MIN = 8 << 20  # bytes
+
+
 class HostTier:
     """Page-locked host memory under a byte budget."""
 

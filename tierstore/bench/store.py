@@ -1,0 +1,200 @@
+"""`tierstore bench store`: Store put+flush and get vs the raw engine and torch.save/torch.load, same run.
+
+(a) many small tensors (default 10,000 of 4 KiB-1 MiB, log-uniform sizes) and (b) a few large ones
+(default 8 of 256 MiB). Every case moves the same bytes; rounds alternate A B A B. Writes end durable
+(fsync) in every case; before every read the page cache of the files is dropped (posix_fadvise), so the
+reads come from the disk for the store, the engine and torch.load alike.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import tempfile
+
+from ._common import Progress, fmt_bytes, gib_s, interleave, print_table, ratio, size_arg, write_json
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=".", help="directory on the disk under test (default: .)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply tensor counts (a) and sizes (b) by this")
+    p.add_argument("--count", type=int, default=10_000, help="(a) number of small tensors")
+    p.add_argument("--size", type=size_arg, default=256 << 20, help="(b) bytes per large tensor")
+    p.add_argument("--large-count", type=int, default=8, help="(b) number of large tensors")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pinned", type=size_arg, default=128 << 20, help="the store's pinned_budget")
+    p.add_argument("--only", choices=["small", "large"], help="run one workload")
+
+
+def _drop_cache(paths) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _files(d: str) -> list[str]:
+    return [os.path.join(d, f) for f in os.listdir(d) if f.startswith("extents-")]
+
+
+def _workload(name: str, tensors: dict, root: str, args, progress) -> dict:
+    import time
+
+    import torch
+
+    from ..io import Engine
+    from ..store import Store
+    from ..tiers.host import aligned_empty
+    from ..tiers.nvme import align_up
+
+    total = sum(t.numel() * t.element_size() for t in tensors.values())  # bytes
+    names = list(tensors)
+    sdir = os.path.join(root, f"{name}-store")
+    tfile = os.path.join(root, f"{name}.pt")
+    rfile = os.path.join(root, f"{name}-raw.bin")
+    # the raw engine's reference: the same bytes, laid out back to back at 4 KiB boundaries, O_DIRECT
+    offsets, pos = {}, 0
+    for k, t in tensors.items():
+        offsets[k] = pos
+        pos += align_up(t.numel() * t.element_size())
+    packed = name == "small"  # small tensors: one aligned staging area; large: each tensor from aligned memory
+    if packed:
+        src = aligned_empty(pos)
+        for k, t in tensors.items():
+            n = t.numel() * t.element_size()
+            src[offsets[k]:offsets[k] + n].copy_(t.reshape(-1).view(torch.uint8))
+        dst = aligned_empty(pos)
+    else:
+        srcs = {}
+        for k, t in tensors.items():
+            a = aligned_empty(t.numel() * t.element_size())
+            a.copy_(t.reshape(-1).view(torch.uint8))
+            srcs[k] = a
+        dsts = {k: aligned_empty(a.numel()) for k, a in srcs.items()}
+    eng = Engine()
+
+    def store_put():
+        shutil.rmtree(sdir, ignore_errors=True)
+        s = Store(sdir, pinned_budget=args.pinned, host_budget=0)
+        t0 = time.perf_counter()
+        for k, t in tensors.items():
+            s.put(k, t, "nvme")
+        s.flush()
+        dt = time.perf_counter() - t0
+        s.close(flush=False)
+        return dt
+
+    def store_get():
+        s = Store.open(sdir, pinned_budget=args.pinned, host_budget=0)
+        _drop_cache(_files(sdir))
+        t0 = time.perf_counter()
+        got = s.get_many(names)
+        dt = time.perf_counter() - t0
+        assert len(got) == len(names)
+        s.close(flush=False)
+        return dt
+
+    def raw_write():
+        f = eng.open(rfile, "w")
+        t0 = time.perf_counter()
+        if packed:
+            eng.write(f, src, 0)
+        else:
+            for k, a in srcs.items():
+                eng.write(f, a, offsets[k])
+        eng.wait_all()
+        eng.fsync(f)
+        dt = time.perf_counter() - t0
+        eng.close_file(f)
+        return dt
+
+    def raw_read():
+        _drop_cache([rfile])
+        f = eng.open(rfile, "r")
+        t0 = time.perf_counter()
+        if packed:
+            eng.read(f, dst, 0)
+        else:
+            for k, a in dsts.items():
+                eng.read(f, a, offsets[k])
+        eng.wait_all()
+        dt = time.perf_counter() - t0
+        eng.close_file(f)
+        return dt
+
+    def torch_save():
+        t0 = time.perf_counter()
+        with open(tfile, "wb") as f:
+            torch.save(tensors, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return time.perf_counter() - t0
+
+    def torch_load():
+        _drop_cache([tfile])
+        t0 = time.perf_counter()
+        got = torch.load(tfile)
+        dt = time.perf_counter() - t0
+        assert len(got) == len(names)
+        return dt
+
+    cases = {"store put+flush": store_put, "engine write+fsync": raw_write, "torch.save+fsync": torch_save,
+             "store get": store_get, "engine read": raw_read, "torch.load": torch_load}
+    res = interleave(cases, args.rounds, progress)
+    # correctness of what the benchmark measured
+    with Store.open(sdir, pinned_budget=args.pinned) as s:
+        for k in names[:: max(1, len(names) // 50)]:
+            assert torch.equal(s.get(k), tensors[k]), k
+    eng.close()
+    for p in (sdir,):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in (tfile, rfile):
+        os.unlink(p)
+    return {"bytes": total, "tensors": len(tensors), "samples": res}
+
+
+def run(args) -> int:
+    import torch
+
+    root = tempfile.mkdtemp(prefix="tierstore-bench-store-", dir=args.dir)
+    g = torch.Generator().manual_seed(0)
+    results = {}
+    try:
+        workloads = []
+        if args.only in (None, "small"):
+            n = max(1, int(args.count * args.scale))
+            lo, hi = math.log(4 << 10), math.log(1 << 20)
+            sizes = [int(math.exp(lo + (hi - lo) * float(u))) // 4 * 4 for u in torch.rand(n, generator=g)]
+            workloads.append(("small", {f"s{i}": torch.randn(b // 4, generator=g) for i, b in enumerate(sizes)}))
+        if args.only in (None, "large"):
+            nb = max(4096, int(args.size * (args.scale if args.only is None and args.scale != 1.0 else 1)))
+            nb = nb // 4 * 4
+            workloads.append(("large", {f"l{i}": torch.randn(nb // 4, generator=g) for i in range(args.large_count)}))
+        with Progress(len(workloads) * 6 * args.rounds, "store bench") as progress:
+            for name, tensors in workloads:
+                progress.describe(f"{name}: {len(tensors)} tensors")
+                results[name] = _workload(name, tensors, root, args, progress)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rows = []
+    for name, r in results.items():
+        s, b = r["samples"], r["bytes"]
+
+        def thr(case):
+            return gib_s(b, s[case].median)
+        rows.append([f"({'a' if name == 'small' else 'b'}) {r['tensors']} x ~{fmt_bytes(b / r['tensors'])} write",
+                     f"{thr('store put+flush'):.2f}", f"{thr('engine write+fsync'):.2f}", f"{thr('torch.save+fsync'):.2f}",
+                     ratio(thr("store put+flush"), thr("engine write+fsync")),
+                     ratio(thr("store put+flush"), thr("torch.save+fsync"))])
+        rows.append([f"({'a' if name == 'small' else 'b'}) {r['tensors']} x ~{fmt_bytes(b / r['tensors'])} read",
+                     f"{thr('store get'):.2f}", f"{thr('engine read'):.2f}", f"{thr('torch.load'):.2f}",
+                     ratio(thr("store get"), thr("engine read")), ratio(thr("store get"), thr("torch.load"))])
+    print_table("Store vs raw engine vs torch.save/torch.load (GiB/s, medians of interleaved rounds)",
+                ["workload", "store", "engine", "torch", "store/engine", "store/torch"], rows,
+                caption="targets: (a) store/torch >= 5x, (b) store/engine >= 0.9x")
+    write_json(getattr(args, "json", None), {"benchmark": "store", "args": vars(args), "results": results})
+    return 0
