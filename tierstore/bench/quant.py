@@ -1,0 +1,124 @@
+"""`tierstore bench quant`: block quantizers on 16M-element tensors, next to bitsandbytes' CPU
+quantize_blockwise when it is installed (same run, A B A B), and the 8-bit AdamW step vs torch's fused AdamW.
+
+Prints, per data set (normal, Student-t df=3), scheme and block size: quantize / dequantize / round-trip
+throughput as a ratio to the reference measured alongside (bitsandbytes dynamic 8-bit at the same block size,
+or, without it, torch's copy_ of the same tensor), and the error: mean abs, max abs and relative RMS.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--numel", type=int, default=16 << 20, help="elements per tensor (default 16M)")
+    p.add_argument("--blocks", default="256,4096", help="block sizes, comma-separated (default 256,4096)")
+    p.add_argument("--schemes", default="dyn8s,dyn8u,int8,int4", help="schemes (default all)")
+    p.add_argument("--rounds", type=int, default=5, help="A B A B rounds per case (default 5)")
+    p.add_argument("--no-step", action="store_true", help="skip the 8-bit AdamW step comparison")
+    p.add_argument("--no-torch-reference", action="store_true",
+                   help="skip the pure-torch (vectorised, no C) quantizer rows")
+
+
+def run(args) -> int:
+    import torch
+
+    from tierstore.bench._common import Progress, interleave, print_table, ratio, write_json
+    from tierstore.quant import dequantize, empty_quantized, quantize
+    from tierstore.quant.states import StatePolicy, Workspace, adamw_step_8bit, init_state
+
+    try:
+        import bitsandbytes.functional as bnbf  # optional reference; never a dependency
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        bnbf = None
+    n = args.numel
+    blocks = [int(b) for b in args.blocks.split(",")]
+    schemes = args.schemes.split(",")
+    g = torch.Generator().manual_seed(0)
+    data = {"normal": torch.randn(n, generator=g),
+            "student-t3": torch.distributions.StudentT(3.0).sample((n,))}
+    nbytes = n * 4  # bytes of fp32 input
+    rows, payload = [], {"numel": n, "cases": []}
+
+    def err(x, y):
+        d = (y - x).abs()
+        return float(d.mean()), float(d.max()), float((y - x).norm() / x.norm())
+
+    total = len(data) * len(blocks) * len(schemes) * args.rounds
+    with Progress(total, "quant") as prog:
+        for dname, x0 in data.items():
+            for bs in blocks:
+                cases, stats = {}, {}
+                out = torch.empty(n)
+                if bnbf is not None:
+                    def bnb_q(x=x0, bs=bs):
+                        return bnbf.quantize_blockwise(x, blocksize=bs)
+                    c, stt = bnb_q()
+                    cases["bnb q"] = lambda f=bnb_q: (f(), None)[1]
+                    cases["bnb dq"] = lambda c=c, s=stt: (bnbf.dequantize_blockwise(c, s), None)[1]
+                    stats["bnb dyn8"] = err(x0, bnbf.dequantize_blockwise(c, stt))
+                else:
+                    cases["copy"] = lambda x=x0: (out.copy_(x), None)[1]
+                for s in schemes:
+                    x = x0.abs() if s == "dyn8u" else x0
+                    q = empty_quantized(n, s, bs)
+                    quantize(x, s, bs, out=q)
+                    cases[f"{s} q"] = lambda x=x, s=s, bs=bs, q=q: (quantize(x, s, bs, out=q), None)[1]
+                    cases[f"{s} dq"] = lambda q=q: (dequantize(q, out=out), None)[1]
+                    stats[s] = err(x, dequantize(q))
+                    if not args.no_torch_reference and s == "dyn8s" and bs == blocks[0]:
+                        qt = empty_quantized(n, s, bs)
+                        cases["dyn8s (torch ref) q"] = lambda x=x, qt=qt, bs=bs: (
+                            quantize(x, "dyn8s", bs, out=qt, backend="torch"), None)[1]
+                        cases["dyn8s (torch ref) dq"] = lambda qt=qt: (
+                            dequantize(qt, out=out, backend="torch"), None)[1]
+                        quantize(x, "dyn8s", bs, out=qt, backend="torch")
+                prog.describe(f"{dname} block {bs}")
+                res = interleave(cases, args.rounds, prog)
+                med = {k: v.median for k, v in res.items()}
+                ref_rt = (med["bnb q"] + med["bnb dq"]) if bnbf is not None else 2 * med["copy"]
+                ref_name = "bnb dyn8" if bnbf is not None else "2x copy_"
+                names = (["bnb dyn8"] if bnbf is not None else []) + schemes + (
+                    ["dyn8s (torch ref)"] if "dyn8s (torch ref) q" in med else [])
+                for name in names:
+                    key = name if name != "bnb dyn8" else "bnb"
+                    tq, tdq = med.get(f"{key} q"), med.get(f"{key} dq")
+                    if tq is None:
+                        continue
+                    rt = tq + tdq
+                    e = stats[name] if name in stats else stats.get(name.split(" ")[0], (float("nan"),) * 3)
+                    rows.append([dname, bs, name, f"{tq * 1e3:.1f}", f"{tdq * 1e3:.1f}",
+                                 f"{nbytes / rt / 1e9:.2f}", ratio(1 / rt, 1 / ref_rt), f"{e[0]:.3g}", f"{e[1]:.3g}",
+                                 f"{e[2]:.3g}"])
+                    payload["cases"].append(dict(data=dname, block=bs, scheme=name, q_s=tq, dq_s=tdq,
+                                                 rt_vs_ref=ref_rt / rt, ref=ref_name, mean_abs=e[0], max_abs=e[1],
+                                                 rel_rms=e[2]))
+    print_table(f"block quantizers, {n} fp32 elements (median of {args.rounds} A B A B rounds)",
+                ["data", "block", "scheme", "q ms", "dq ms", "rt GB/s", "rt vs ref", "mean abs", "max abs",
+                 "rel RMS"], rows,
+                caption=f"ref = {'bitsandbytes dynamic 8-bit, same block' if bnbf else '2 x torch copy_ (bitsandbytes not installed)'}; "
+                        "ms are context, the ratio is the result")
+    if not args.no_step:
+        p8, pf = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        grad = torch.randn(n, generator=g)
+        st, ws = init_state(p8, StatePolicy()), Workspace()
+        m, v, s = torch.zeros(n), torch.zeros(n), torch.zeros(())
+        from torch.optim.adamw import adamw
+
+        def fused():
+            adamw([pf], [grad], [m], [v], [], [s], amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3,
+                  weight_decay=0.01, eps=1e-8, maximize=False, fused=True)
+
+        def eight():
+            adamw_step_8bit(p8, grad, st, ws, lr=1e-3)
+
+        res = interleave({"torch fused AdamW (fp32 states)": fused, "8-bit states AdamW": eight}, args.rounds)
+        tf, t8 = res["torch fused AdamW (fp32 states)"].median, res["8-bit states AdamW"].median
+        print_table(f"one AdamW step, {n} parameters (median of {args.rounds} A B rounds)",
+                    ["step", "ms", "time vs fused"],
+                    [["torch fused AdamW (fp32 states)", f"{tf * 1e3:.1f}", "1.00x"],
+                     ["8-bit states AdamW", f"{t8 * 1e3:.1f}", f"{t8 / tf:.2f}x"]],
+                    caption="target: 8-bit step <= 3x the fused fp32 step; state bytes 2 per parameter vs 8")
+        payload["step"] = {"fused_s": tf, "eight_bit_s": t8, "ratio": t8 / tf}
+    write_json(args.json, payload)
+    return 0
