@@ -7,7 +7,10 @@
  * Model (see docs/io.md, [Note: ring ownership]):
  *   - any thread may call ts_submit_many(); the submission queue, the pending list and the in-flight count
  *     are guarded by ring->lock;
- *   - exactly one thread (the engine's reaper) calls ts_reap(); it alone touches the completion queue.
+ *   - exactly one thread touches the completion queue: the native completion thread started by
+ *     ts_reaper_start(). It reaps, resubmits short completions and refills the ring from the pending FIFO
+ *     without ever needing Python (or the GIL), so the disk stays busy while Python threads are busy or
+ *     descheduled. Finished requests go to a done-list that Python drains with ts_collect().
  *   - a request is a read or write of `len` bytes at `off`. It is kept in flight until every byte is
  *     done: a short completion is resubmitted for the remainder, -EINTR / -EAGAIN are retried, any other
  *     error ends the request with that -errno. A zero-byte read (end of file) ends it with the bytes done.
@@ -158,6 +161,17 @@ struct ts_ring {
     uint64_t completions;
     uint64_t fault_nth;
     int fault_kind;
+    /* native completion thread and its done-list, guarded by done_lock */
+    pthread_t reaper;
+    int reaper_started;
+    pthread_mutex_t done_lock;
+    pthread_cond_t done_cond;
+    uint64_t *done_ids;
+    int64_t *done_res;
+    size_t done_head, done_len, done_cap; /* entries [done_head, done_head + done_len) */
+    int stop;     /* set by ts_reaper_stop() */
+    int exited;   /* the completion thread has returned */
+    int failed;   /* -errno when the ring itself failed */
 };
 
 static int sys_setup(unsigned entries, struct k_params *p)
@@ -248,6 +262,8 @@ int ts_ring_create(unsigned depth, struct ts_ring **out)
     r->cq_mask = (uint32_t *)(cq + p.cq_off.ring_mask);
     r->cqes = (struct k_cqe *)(cq + p.cq_off.cqes);
     pthread_mutex_init(&r->lock, NULL);
+    pthread_mutex_init(&r->done_lock, NULL);
+    pthread_cond_init(&r->done_cond, NULL);
     *out = r;
     return 0;
 
@@ -260,11 +276,18 @@ fail : {
 }
 }
 
-/* Free the ring. The caller guarantees no request is in flight and no thread is inside reap. */
+int ts_reaper_stop(struct ts_ring *r);
+
+/* Free the ring (stopping the completion thread). The caller guarantees no request is in flight. */
 void ts_ring_destroy(struct ts_ring *r)
 {
     if (!r)
         return;
+    ts_reaper_stop(r);
+    free(r->done_ids);
+    free(r->done_res);
+    pthread_mutex_destroy(&r->done_lock);
+    pthread_cond_destroy(&r->done_cond);
     struct ts_req *q = r->pending_head;
     while (q) {
         struct ts_req *n = q->next;
@@ -417,7 +440,7 @@ int ts_submit_many(struct ts_ring *r, const struct ts_io *ios, unsigned n)
     return rc;
 }
 
-/* Wake a thread blocked in ts_reap(): it returns with *woken set. */
+/* Wake the thread blocked in ts_reap(): it returns with *woken set. */
 int ts_wake(struct ts_ring *r)
 {
     pthread_mutex_lock(&r->lock);
@@ -427,20 +450,23 @@ int ts_wake(struct ts_ring *r)
     return rc;
 }
 
-/* Test-only: alter the nth I/O completion from now on (1-based) with `kind`; 0 disarms. */
+/* Test-only: alter the nth I/O completion from now on (1-based) with `kind`; 0 disarms. Called from any
+ * thread while the completion thread runs: kind is published before nth (release), read after (acquire). */
 void ts_inject(struct ts_ring *r, uint64_t nth, int kind)
 {
-    r->fault_nth = nth ? r->completions + nth : 0;
-    r->fault_kind = kind;
+    __atomic_store_n(&r->fault_kind, kind, __ATOMIC_RELAXED);
+    uint64_t seen = __atomic_load_n(&r->completions, __ATOMIC_RELAXED);
+    __atomic_store_n(&r->fault_nth, nth ? seen + nth : 0, __ATOMIC_RELEASE);
 }
 
 static int32_t apply_fault(struct ts_ring *r, int32_t res)
 {
-    r->completions++;
-    if (r->fault_nth == 0 || r->completions != r->fault_nth)
+    uint64_t count = __atomic_add_fetch(&r->completions, 1, __ATOMIC_RELAXED);
+    uint64_t nth = __atomic_load_n(&r->fault_nth, __ATOMIC_ACQUIRE);
+    if (nth == 0 || count != nth)
         return res;
-    r->fault_nth = 0;
-    switch (r->fault_kind) {
+    __atomic_store_n(&r->fault_nth, 0, __ATOMIC_RELAXED);
+    switch (__atomic_load_n(&r->fault_kind, __ATOMIC_RELAXED)) {
     case TS_FAULT_EIO:
         return -EIO;
     case TS_FAULT_ENOSPC:
@@ -463,7 +489,7 @@ static int32_t apply_fault(struct ts_ring *r, int32_t res)
  * Returns the number of entries written, or -errno if the ring itself failed.
  * Only one thread may reap at a time.
  */
-int ts_reap(struct ts_ring *r, uint64_t *ids, int64_t *results, int max, int wait, int *woken)
+static int ts_reap(struct ts_ring *r, uint64_t *ids, int64_t *results, int max, int wait, int *woken)
 {
     int n = 0;
     *woken = 0;
@@ -534,6 +560,119 @@ int ts_reap(struct ts_ring *r, uint64_t *ids, int64_t *results, int max, int wai
         if (e < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY)
             return -errno;
     }
+}
+
+/* Append finished requests to the done-list (done_lock held). Returns 0 or -ENOMEM. */
+static int done_push(struct ts_ring *r, const uint64_t *ids, const int64_t *res, int n)
+{
+    if (r->done_head + r->done_len + (size_t)n > r->done_cap) {
+        if (r->done_head) { /* slide the live entries to the front first */
+            memmove(r->done_ids, r->done_ids + r->done_head, r->done_len * sizeof(uint64_t));
+            memmove(r->done_res, r->done_res + r->done_head, r->done_len * sizeof(int64_t));
+            r->done_head = 0;
+        }
+        if (r->done_len + (size_t)n > r->done_cap) {
+            size_t cap = r->done_cap ? r->done_cap : 1024;
+            while (cap < r->done_len + (size_t)n)
+                cap *= 2;
+            uint64_t *ni = realloc(r->done_ids, cap * sizeof(uint64_t));
+            if (ni)
+                r->done_ids = ni;
+            int64_t *nr = realloc(r->done_res, cap * sizeof(int64_t));
+            if (nr)
+                r->done_res = nr;
+            if (!ni || !nr)
+                return -ENOMEM;
+            r->done_cap = cap;
+        }
+    }
+    memcpy(r->done_ids + r->done_head + r->done_len, ids, (size_t)n * sizeof(uint64_t));
+    memcpy(r->done_res + r->done_head + r->done_len, res, (size_t)n * sizeof(int64_t));
+    r->done_len += (size_t)n;
+    return 0;
+}
+
+static void *reaper_main(void *arg)
+{
+    struct ts_ring *r = arg;
+    uint64_t ids[256];
+    int64_t res[256];
+    for (;;) {
+        int woken = 0;
+        int n = ts_reap(r, ids, res, 256, 1, &woken);
+        pthread_mutex_lock(&r->done_lock);
+        if (n > 0 && done_push(r, ids, res, n) < 0)
+            n = -ENOMEM; /* cannot record completions: treat as a ring failure, reported to every caller */
+        if (n < 0)
+            r->failed = n;
+        int leave = n < 0 || (woken && r->stop);
+        if (leave)
+            r->exited = 1;
+        if (n != 0 || leave)
+            pthread_cond_broadcast(&r->done_cond);
+        pthread_mutex_unlock(&r->done_lock);
+        if (leave)
+            return NULL;
+    }
+}
+
+/* Start the native completion thread. Returns 0 or -errno. */
+int ts_reaper_start(struct ts_ring *r)
+{
+    if (r->reaper_started)
+        return 0;
+    int rc = pthread_create(&r->reaper, NULL, reaper_main, r);
+    if (rc != 0)
+        return -rc;
+    r->reaper_started = 1;
+    return 0;
+}
+
+/* Stop the completion thread after what is in flight has finished (the caller waited for it). */
+int ts_reaper_stop(struct ts_ring *r)
+{
+    if (!r->reaper_started)
+        return 0;
+    pthread_mutex_lock(&r->done_lock);
+    r->stop = 1;
+    int exited = r->exited;
+    pthread_mutex_unlock(&r->done_lock);
+    int rc = exited ? 0 : ts_wake(r);
+    pthread_join(r->reaper, NULL);
+    r->reaper_started = 0;
+    pthread_mutex_lock(&r->done_lock);
+    r->exited = 1;
+    pthread_cond_broadcast(&r->done_cond); /* let a collector waiting on an empty list return */
+    pthread_mutex_unlock(&r->done_lock);
+    return rc;
+}
+
+/*
+ * Take up to `max` finished requests (id, bytes or -errno) off the done-list, oldest first. With `wait`,
+ * block until there is one. Returns the count; 0 with *state = 1 once the completion thread has exited
+ * and nothing is left; -errno (the ring's failure) once a failed ring's list is drained.
+ */
+int ts_collect(struct ts_ring *r, uint64_t *ids, int64_t *results, int max, int wait, int *state)
+{
+    *state = 0;
+    pthread_mutex_lock(&r->done_lock);
+    while (wait && r->done_len == 0 && !r->exited)
+        pthread_cond_wait(&r->done_cond, &r->done_lock);
+    int n = r->done_len < (size_t)max ? (int)r->done_len : max;
+    memcpy(ids, r->done_ids + r->done_head, (size_t)n * sizeof(uint64_t));
+    memcpy(results, r->done_res + r->done_head, (size_t)n * sizeof(int64_t));
+    r->done_head += (size_t)n;
+    r->done_len -= (size_t)n;
+    if (r->done_len == 0)
+        r->done_head = 0;
+    int ret = n;
+    if (n == 0 && r->exited) {
+        *state = 1;
+        if (r->failed)
+            ret = r->failed;
+    }
+    pthread_mutex_unlock(&r->done_lock);
+    return ret;
 }
 
 /* Register [addrs[i], addrs[i]+lens[i]) as fixed buffers 0..n-1. Returns 0 or -errno. */

@@ -373,7 +373,7 @@ def test_other_threads_run_while_the_engine_waits(eng, tmp_path):
 
 
 def test_native_wait_releases_the_gil():
-    """Block a thread inside the native reap (nothing in flight) and check the main thread still runs."""
+    """Block a thread in the native collect (nothing in flight) and check the main thread still runs."""
     if not URING_OK:
         pytest.skip(URING_WHY)
     import ctypes
@@ -383,18 +383,19 @@ def test_native_wait_releases_the_gil():
     lib = _uring.lib()
     ring = ctypes.c_void_p()
     assert lib.ts_ring_create(4, ctypes.byref(ring)) == 0
+    assert lib.ts_reaper_start(ring) == 0
     entered = threading.Event()
     out = {}
 
-    def reap():
+    def collect():
         ids = (ctypes.c_uint64 * 4)()
         res = (ctypes.c_int64 * 4)()
-        woken = ctypes.c_int(0)
+        state = ctypes.c_int(0)
         entered.set()
-        out["n"] = lib.ts_reap(ring, ids, res, 4, 1, ctypes.byref(woken))
-        out["woken"] = woken.value
+        out["n"] = lib.ts_collect(ring, ids, res, 4, 1, ctypes.byref(state))
+        out["stopped"] = state.value
 
-    t = threading.Thread(target=reap)
+    t = threading.Thread(target=collect)
     t.start()
     entered.wait()
     n = 0
@@ -402,9 +403,9 @@ def test_native_wait_releases_the_gil():
     while time.perf_counter() < deadline:  # runs only if the blocked thread let go of the GIL
         n += 1
     assert t.is_alive() and n > 1000
-    assert lib.ts_wake(ring) == 0
+    assert lib.ts_reaper_stop(ring) == 0  # stops the completion thread and wakes the collector
     t.join(5)
-    assert not t.is_alive() and out == {"n": 0, "woken": 1}
+    assert not t.is_alive() and out == {"n": 0, "stopped": 1}
     lib.ts_ring_destroy(ring)
 
 

@@ -33,9 +33,13 @@ def lib() -> C.CDLL:
         lib.ts_wake.restype = C.c_int
         lib.ts_inject.argtypes = [_P, C.c_uint64, C.c_int]
         lib.ts_inject.restype = None
-        lib.ts_reap.argtypes = [_P, C.POINTER(C.c_uint64), C.POINTER(C.c_int64), C.c_int, C.c_int,
-                                C.POINTER(C.c_int)]
-        lib.ts_reap.restype = C.c_int
+        lib.ts_reaper_start.argtypes = [_P]
+        lib.ts_reaper_start.restype = C.c_int
+        lib.ts_reaper_stop.argtypes = [_P]
+        lib.ts_reaper_stop.restype = C.c_int
+        lib.ts_collect.argtypes = [_P, C.POINTER(C.c_uint64), C.POINTER(C.c_int64), C.c_int, C.c_int,
+                                   C.POINTER(C.c_int)]
+        lib.ts_collect.restype = C.c_int
         lib.ts_register_buffers.argtypes = [_P, C.POINTER(_P), C.POINTER(C.c_uint64), C.c_uint]
         lib.ts_register_buffers.restype = C.c_int
         lib.ts_unregister_buffers.argtypes = [_P]

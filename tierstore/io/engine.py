@@ -197,7 +197,8 @@ class _ThreadBackend:
 
 
 class _UringBackend:
-    """native/uring.c: one ring; any thread submits, one reaper thread completes futures."""
+    """native/uring.c: one ring; any thread submits. A native thread reaps the ring and refills it without
+    the GIL; a Python thread collects what it finished and completes the futures."""
 
     name = "io_uring"
     FILE_SLOTS = 4096
@@ -219,9 +220,13 @@ class _UringBackend:
             self._slots_free = list(range(self.FILE_SLOTS - 1, -1, -1))
         else:
             log.debug("io_uring: registered files unavailable; using plain descriptors")
-        self._closing = False
-        self._reaper = threading.Thread(target=self._reap_loop, name="tierstore-uring-reaper", daemon=True)
-        self._reaper.start()
+        self._broken = 0  # -errno once the ring itself failed
+        rc = self._lib.ts_reaper_start(ring)
+        if rc < 0:
+            self._lib.ts_ring_destroy(ring)
+            raise BackendUnavailableError(f"cannot start the io_uring completion thread: {os.strerror(-rc)}")
+        self._collector = threading.Thread(target=self._collect_loop, name="tierstore-uring-collector", daemon=True)
+        self._collector.start()
 
     # -- registration ---------------------------------------------------------------------------
     def register_buffers(self, regions: list[tuple[int, int]]) -> bool:
@@ -280,29 +285,35 @@ class _UringBackend:
             rows.append((pid, p.op, p.fd if slot is None else slot, slot is not None, self._buf_index(p.addr, p.length),
                          p.addr, p.length, p.offset))
         ios[:] = rows
-        rc = self._lib.ts_submit_many(self._ring, ios.ctypes.data, len(pieces))
-        if rc < 0:  # nothing was queued
+        rc = self._broken or self._lib.ts_submit_many(self._ring, ios.ctypes.data, len(pieces))
+        if rc < 0 or self._broken:  # nothing was queued, or no reaper is left to complete it
             for pid in ios["id"].tolist():
-                self._pieces.pop(pid).finish(rc)
+                self._fail(pid, rc if rc < 0 else self._broken)
 
-    def _reap_loop(self) -> None:
-        ids = (ctypes.c_uint64 * 256)()
-        res = (ctypes.c_int64 * 256)()
-        woken = ctypes.c_int(0)
+    def _fail(self, pid: int, err: int) -> None:
+        p = self._pieces.pop(pid, None)  # pop: whoever gets the piece finishes it, exactly once
+        if p is not None:
+            p.finish(err)
+
+    def _collect_loop(self) -> None:
+        ids = (ctypes.c_uint64 * 1024)()
+        res = (ctypes.c_int64 * 1024)()
+        state = ctypes.c_int(0)
         while True:
-            n = self._lib.ts_reap(self._ring, ids, res, 256, 1, ctypes.byref(woken))
+            n = self._lib.ts_collect(self._ring, ids, res, 1024, 1, ctypes.byref(state))
             if n < 0:
                 log.error("io_uring: the ring failed (%s); failing what is in flight", os.strerror(-n))
+                self._broken = n
                 for pid in list(self._pieces):
-                    self._pieces.pop(pid).finish(n)
+                    self._fail(pid, n)
                 return
             for i in range(n):
                 p = self._pieces.pop(ids[i])
                 try:
                     p.finish(res[i])
-                except BaseException:  # a user callback must not kill the reaper
+                except BaseException:  # a user callback must not kill the collector
                     log.exception("error while completing an I/O future")
-            if woken.value and self._closing and not self._pieces:
+            if state.value:  # the completion thread has stopped and everything is collected
                 return
 
     @property
@@ -313,9 +324,8 @@ class _UringBackend:
         self._lib.ts_inject(self._ring, nth, kind)
 
     def close(self) -> None:
-        self._closing = True
-        self._lib.ts_wake(self._ring)
-        self._reaper.join()
+        self._lib.ts_reaper_stop(self._ring)  # the engine waited for what was in flight
+        self._collector.join()
         self._lib.ts_ring_destroy(self._ring)
         self._ring = None
 
