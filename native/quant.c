@@ -11,6 +11,7 @@
  *   linear int4:  inv =   7.0f / absmax; q = rint(x * inv) in [-7, 7], stored q + 8; x^ = q * (absmax / 7.0f)
  *   dynamic 8-bit: inv = 1.0f / absmax; r = |x| * inv; code = lut[bucket(r)] + (mids[lut[...]] < r)
  *                  (count of midpoints strictly below r: ties go to the smaller magnitude);  x^ = values[code] * absmax
+ *                  (scheme 4, bounded rounding: the same with other boundaries in `mids`)
  * rint is round-half-to-even (the default rounding mode); no expression is contracted into an FMA (pragma below),
  * so every compiled clone gives the same bytes. absmax == 0 gives inv = 0 and all codes zero.
  *
@@ -32,6 +33,7 @@
 #define TSQ_INT4 1
 #define TSQ_DYN_SIGNED 2
 #define TSQ_DYN_UNSIGNED 3
+#define TSQ_DYN_UNSIGNED_BOUNDED 4 /* the unsigned map with other code boundaries in `mids` (quant/dynamic.py) */
 
 #define TSQ_F32 0
 #define TSQ_BF16 1
@@ -49,7 +51,7 @@ typedef struct {
     void *x;             /* n elements of dtype */
     uint8_t *codes;      /* n bytes (int4: (n + 1) / 2 bytes) */
     float *absmax;       /* ceil(n / block) floats */
-    const float *mids;   /* dynamic: sorted midpoints between consecutive magnitude values, last = +inf */
+    const float *mids;   /* dynamic: sorted code boundaries (midpoints for nearest rounding), last = +inf */
     const int32_t *lut;  /* dynamic: bucket -> magnitude code */
     const float *values; /* dynamic: code (0..255, full byte) -> value in [-1, 1] */
     int32_t lut_shift;   /* bucket = (bits(r) >> lut_shift) - lut_base, clamped to [0, lut_size) */
@@ -288,7 +290,7 @@ static void *thread_main(void *arg)
 
 static int run(const tsq_job *j, int quantize)
 {
-    if (j->n < 0 || j->block < 2 || j->block > TSQ_MAX_BLOCK || (j->block & 1) || j->scheme < 0 || j->scheme > 3 ||
+    if (j->n < 0 || j->block < 2 || j->block > TSQ_MAX_BLOCK || (j->block & 1) || j->scheme < 0 || j->scheme > 4 ||
         j->dtype < 0 || j->dtype > 2)
         return -EINVAL;
     if (j->n == 0)

@@ -13,7 +13,8 @@ from tierstore.errors import CorruptionError
 from tierstore.quant import BlockInt4, BlockInt8, Dynamic8, build_tables, codec_for, error_bound
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "quant", "golden_v1.json")
-CODECS = [BlockInt8(64), BlockInt4(128, "float16"), Dynamic8(256, signed=True), Dynamic8(8192, "bfloat16", False)]
+CODECS = [BlockInt8(64), BlockInt4(128, "float16"), Dynamic8(256, signed=True), Dynamic8(8192, "bfloat16", False),
+          Dynamic8(256, signed=False, rounding="bounded")]
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=repr)
@@ -29,7 +30,7 @@ def test_golden_bytes_never_change():
     committed values. If this fails, the format changed: bump VERSION in codecs.py instead."""
     with open(FIXTURE) as f:
         golden = json.load(f)
-    assert golden["format_version"] == 1 and len(golden["cases"]) >= 6
+    assert golden["format_version"] == 1 and len(golden["cases"]) >= 7
     for case in golden["cases"]:
         codec = get_codec(dict(case["config"]))
         raw = np.frombuffer(bytes.fromhex(case["input_hex"]), dtype=np.uint8)
@@ -62,6 +63,18 @@ def test_encode_decode_within_bound_and_into_out(codec):
     amax = pad.view(-1, bs).amax(1).repeat_interleave(bs)[:x.size]
     rounding = {"float32": 2 ** -21, "float16": 2 ** -10, "bfloat16": 2 ** -7}[codec.dtype]  # output dtype
     assert ((yf - xf).abs() <= (error_bound(codec.scheme) + rounding) * amax).all()
+
+
+def test_rounding_field():
+    assert Dynamic8(256, signed=False).get_config() == {"id": "tierstore.dynamic8", "block_size": 256,
+                                                         "dtype": "float32", "signed": False}  # as before
+    assert Dynamic8(256, signed=False, rounding="bounded").scheme == "dyn8v"
+    assert codec_for("dyn8v").get_config()["rounding"] == "bounded"
+    from tierstore.errors import TierstoreValueError
+    with pytest.raises(TierstoreValueError, match="rounding"):
+        Dynamic8(256, signed=True, rounding="bounded")
+    with pytest.raises(TierstoreValueError, match="rounding"):
+        Dynamic8(256, signed=False, rounding="up")
 
 
 def test_zarr_array_with_codec():

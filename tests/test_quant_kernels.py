@@ -34,7 +34,7 @@ def _block_absmax(x: torch.Tensor, bs: int) -> torch.Tensor:
 @given(n=st.integers(1, 5000), bs=st.sampled_from([64, 128, 256, 1000, 4096, 8192]),
        scheme=st.sampled_from(sorted(SCHEMES)), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
 def test_error_bound_holds_and_native_matches_reference(n, bs, scheme, dtype, seed):
-    x = _data(n, seed, dtype, unsigned=scheme == "dyn8u")
+    x = _data(n, seed, dtype, unsigned=scheme in ("dyn8u", "dyn8v"))
     q = quantize(x, scheme, bs)
     y = dequantize(q, dtype=torch.float32)
     bound = (error_bound(scheme) + 2 ** -21) * _block_absmax(x, bs)  # + a few ulps of fp32 rounding
@@ -52,14 +52,36 @@ def test_documented_bounds():
     assert error_bound("int4") == pytest.approx(1 / 14)
     assert error_bound("dyn8s") == pytest.approx(0.9 / 64 / 2)
     assert error_bound("dyn8u") == pytest.approx(0.9 / 128 / 2)
+    assert error_bound("dyn8v") == pytest.approx(0.9 / 128 / 2)  # bounded rounding keeps dyn8u's absolute bound
 
 
 def test_bounds_are_attained_not_loose():
     # the documented bound is tight: some input gets close to it (else it documents the wrong thing)
     x = torch.linspace(-1, 1, 1 << 16)
-    for scheme in ("int8", "int4", "dyn8s"):
-        err = (dequantize(quantize(x, scheme, 256)) - x).abs() / _block_absmax(x, 256)
+    for scheme in ("int8", "int4", "dyn8s", "dyn8u", "dyn8v"):
+        xs = x.abs() if scheme in ("dyn8u", "dyn8v") else x
+        err = (dequantize(quantize(xs, scheme, 256)) - xs).abs() / _block_absmax(xs, 256)
         assert err.max() > 0.9 * error_bound(scheme), scheme
+
+
+def test_bounded_rounding_never_underestimates_by_more_than_delta():
+    """dyn8v: v^ >= v / (1 + 9/256) for every v > 0, however small against its block's absmax (one-sided
+    relative bound, up to fp32 rounding of r = v * (1/absmax) and of v^ = value * absmax: 2^-22 relative);
+    it is attained; and nearest rounding (dyn8u, the control) under-estimates small values by up to ~3x."""
+    from tierstore.quant.dynamic import BOUNDED_DELTA
+
+    g = torch.Generator().manual_seed(5)
+    v = 10 ** (-9 * torch.rand(1 << 18, generator=g))  # 9 decades below each block's max, all > 0
+    ratio = {}
+    for scheme in ("dyn8v", "dyn8u"):
+        y = dequantize(quantize(v, scheme, 256))
+        assert torch.equal(quantize(v, scheme, 256).codes, quantize(v, scheme, 256, backend="torch").codes)
+        ratio[scheme] = (y / v).min().item()
+    floor = 1 / (1 + BOUNDED_DELTA)
+    print(f"\nmin v^/v: bounded {ratio['dyn8v']:.5f} (floor {floor:.5f}), nearest {ratio['dyn8u']:.3f}")
+    assert ratio["dyn8v"] >= floor * (1 - 2 ** -22)
+    assert ratio["dyn8v"] <= floor * (1 + 1e-3)  # attained: the bound is tight
+    assert ratio["dyn8u"] < 0.5
 
 
 def test_maps_shape_and_order():
@@ -75,13 +97,14 @@ def test_maps_shape_and_order():
     assert np.sum(u.values > 0.1) == 2 * np.sum(s.values > 0.1) == 128
 
 
-@pytest.mark.parametrize("signed", [True, False])
-def test_lut_encoder_is_exact_nearest_on_every_boundary(signed):
-    """The native LUT path equals searchsorted against the midpoints, including 1 ulp around every midpoint
-    and every LUT bucket edge, with ties going to the smaller magnitude."""
+@pytest.mark.parametrize("signed,rounding", [(True, "nearest"), (False, "nearest"), (False, "bounded")])
+def test_lut_encoder_is_exact_nearest_on_every_boundary(signed, rounding):
+    """The native LUT path equals searchsorted against the code boundaries (midpoints; for bounded rounding
+    min(midpoint, value x (1 + 9/256))), including 1 ulp around every boundary and every LUT bucket edge,
+    with ties going to the smaller magnitude."""
     if not _native.available():
         pytest.skip("native kernel not built")
-    t = build_tables(signed)
+    t = build_tables(signed, rounding)
     mids = t.mids[:-1]
     probes = [mids, np.nextafter(mids, 0), np.nextafter(mids, 2), np.geomspace(1e-9, 1, 200000).astype(np.float32),
               np.array([0, 1, 1.0000001, 1e-30], dtype=np.float32)]
@@ -91,7 +114,8 @@ def test_lut_encoder_is_exact_nearest_on_every_boundary(signed):
     n = r.size
     x = np.ones((n, 64), dtype=np.float32)
     x[:, 0] = r
-    q = quantize(torch.from_numpy(x.reshape(-1)), "dyn8s" if signed else "dyn8u", 64)
+    scheme = "dyn8s" if signed else ("dyn8u" if rounding == "nearest" else "dyn8v")
+    q = quantize(torch.from_numpy(x.reshape(-1)), scheme, 64)
     got = q.codes.view(n, 64)[:, 0].numpy().astype(np.int64)
     want = np.searchsorted(mids, r, side="left")
     if not signed:
@@ -101,9 +125,9 @@ def test_lut_encoder_is_exact_nearest_on_every_boundary(signed):
 
 def test_zero_point_unsigned_never_maps_nonzero_to_zero():
     x = torch.tensor([1.0] + [10.0 ** -k for k in range(1, 30)] + [0.0, 1e-38, 1e-45])
-    q = quantize(x, "dyn8u", 64)
-    codes = q.codes.numpy()
-    assert (codes[x.numpy() > 0] > 0).all() and codes[x.numpy() == 0].tolist() == [0]
+    for scheme in ("dyn8u", "dyn8v"):
+        codes = quantize(x, scheme, 64).codes.numpy()
+        assert (codes[x.numpy() > 0] > 0).all() and codes[x.numpy() == 0].tolist() == [0], scheme
     # the signed map keeps exact nearest rounding: tiny values do go to zero there
     assert (quantize(x, "dyn8s", 64).codes.numpy()[10:30] == 0).all()
 
@@ -122,7 +146,7 @@ def test_int4_packing_and_partial_blocks():
 @needs_native
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_deterministic_over_threads_and_runs(scheme):
-    x = _data(300_001, 1, unsigned=scheme == "dyn8u")
+    x = _data(300_001, 1, unsigned=scheme in ("dyn8u", "dyn8v"))
     ref = quantize(x, scheme, 256, nthreads=1)
     for th in (2, 3, 7):
         q = quantize(x, scheme, 256, nthreads=th)

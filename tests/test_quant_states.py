@@ -16,13 +16,14 @@ LR = 1e-3
 def test_policy():
     pol = StatePolicy.make(keep_fp32=["embed.weight"])
     big, small = torch.zeros(4096), torch.zeros(4095)
-    assert pol.scheme_for("exp_avg", big) == "dyn8s" and pol.scheme_for("exp_avg_sq", big) == "dyn8u"
+    assert pol.scheme_for("exp_avg", big) == "dyn8s" and pol.scheme_for("exp_avg_sq", big) == "dyn8v"
     assert pol.scheme_for("exp_avg", small) is None and pol.scheme_for("step", big) is None
     assert pol.scheme_for("exp_avg", big, "embed.weight") is None
     assert StatePolicy.make(keep_fp32=[big]).scheme_for("exp_avg", big) is None
     assert pol.block_size == 256
     codec = pol.codec_for("exp_avg_sq", big)
-    assert codec.get_config() == {"id": "tierstore.dynamic8", "block_size": 256, "dtype": "float32", "signed": False}
+    assert codec.get_config() == {"id": "tierstore.dynamic8", "block_size": 256, "dtype": "float32", "signed": False,
+                                  "rounding": "bounded"}
     st = init_state(big, pol)
     assert isinstance(st["exp_avg"], Quantized) and st["exp_avg"].nbytes == 4096 + 16 * 4
 
@@ -47,6 +48,7 @@ def _run(scale: torch.Tensor, steps: int, *, exact_zero: bool = False, n: int = 
             _fp32_step(p8, g, mm, vv, st["step"], 0.0)
             quantize(mm, "dyn8s", 256, out=st["exp_avg"])
             q = st["exp_avg_sq"]
+            q.scheme = "dyn8u"  # nearest rounding, then the zero-point rule undone below
             quantize(vv, "dyn8u", 256, out=q)
             r = vv.view(-1, 256) / q.absmax[:, None]
             zero = (q.codes.view(-1, 256) == 1) & (r < float(build_tables(False).mids[0]))
@@ -66,13 +68,12 @@ def test_drift_iid_gradients():
 
 
 def test_zero_point_wide_range_gradients():
-    """Gradient scale varies 1e4x within every block (v: 1e8x). With exact nearest rounding of v, elements
-    whose v lands on code 0 take steps of m / eps; with the zero-point rule they cannot.
-
-    [Deviation, see docs/quant.md "zero-point"]: the paper's map is coarse in its low decades (the gap above
-    the smallest codes is 1.5-5.5x relative), so nearest rounding still underestimates a small v by up to ~2x
-    on the first step; a handful of elements (out of 65536) end up to ~1.3x past lr x steps. The bound
-    asserted is therefore 1.5x lr x steps, against >= 10x for the control."""
+    """Gradient scale varies 1e4x within every block (v: 1e8x). With exact nearest rounding of v (the control),
+    elements whose v lands on code 0 take steps of m / eps. Our second moments use bounded rounding (dyn8v:
+    never under-estimated by more than 1 + 9/256, [Note: bounded rounding of second moments]), so the issue's
+    bound holds as stated: no element moves more than lr x steps. No float tolerance is needed or given: the
+    largest change measured is ~0.79 lr x steps (fp32 AdamW: 0.83); with nearest rounding (dyn8u, no code 0)
+    it was 1.34 (15 elements past 1)."""
     steps = 20
     scale = 10 ** (-4 * torch.rand(1 << 16, generator=torch.Generator().manual_seed(7)))
     p0, p8, pf = _run(scale, steps)
@@ -87,7 +88,7 @@ def test_zero_point_wide_range_gradients():
           f"({over} of {p0.numel()} elements past 1), exact-nearest control {control:.1f}; drift vs fp32: ours "
           f"{drift:.3f}, control {drift_z:.3f}")
     assert control >= 10
-    assert ours <= 1.5
+    assert over == 0 and bool(((p8 - p0).abs() <= LR * steps).all())
     assert drift <= 0.35 and drift_z > 3 * drift
 
 

@@ -9,7 +9,7 @@ import torch
 from .. import _native
 from ..errors import TierstoreValueError
 from .dynamic import build_tables
-from .layout import DTYPES, SCHEME_IDS
+from .layout import DTYPES, DYNAMIC, SCHEME_IDS
 
 #: tensors smaller than this run on one thread (starting threads costs ~20 us)
 THREAD_MIN_NUMEL = 1 << 16  # elements
@@ -55,8 +55,8 @@ def _job(scheme: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor
     j = _Job(scheme=SCHEME_IDS[scheme], dtype=DTYPES[x.dtype], n=x.numel(), block=block, x=x.data_ptr(),
              codes=codes.data_ptr(), absmax=absmax.data_ptr(),
              nthreads=nthreads if nthreads is not None else default_threads(x.numel()))
-    if scheme in ("dyn8s", "dyn8u"):
-        t = build_tables(scheme == "dyn8s")  # cached: the arrays outlive the call
+    if scheme in DYNAMIC:
+        t = build_tables(*DYNAMIC[scheme])  # cached: the arrays outlive the call
         j.mids, j.lut, j.values = t.mids.ctypes.data, t.lut.ctypes.data, t.values.ctypes.data
         j.lut_shift, j.lut_base, j.lut_size = 15, t.lut_base, t.lut_size
     return j

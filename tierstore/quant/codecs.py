@@ -7,7 +7,7 @@ Little-endian, 20-byte header, then the per-block absmax, then the codes:
     offset  size  field
     0       3     magic b"TSQ"
     3       1     format version (1)
-    4       1     scheme id (0 int8, 1 int4, 2 dyn8 signed, 3 dyn8 unsigned)
+    4       1     scheme id (0 int8, 1 int4, 2 dyn8 signed, 3 dyn8 unsigned, 4 dyn8 unsigned bounded rounding)
     5       1     element dtype id (0 float32, 1 bfloat16, 2 float16)
     6       2     reserved, 0
     8       4     block size (elements)
@@ -167,20 +167,33 @@ class BlockInt4(_BlockQuantCodec):
 
 
 class Dynamic8(_BlockQuantCodec):
-    """Dynamic 8-bit map (signed: first moments; unsigned: second moments, never maps v > 0 to 0)."""
+    """Dynamic 8-bit map (signed: first moments; unsigned: second moments, never maps v > 0 to 0).
+
+    ``rounding`` (unsigned only): "nearest" (scheme dyn8u) or "bounded" (dyn8v: never under-estimates by more
+    than a factor 1 + 9/256; [Note: bounded rounding of second moments] in dynamic.py). The config carries
+    "rounding" only when it is not "nearest", so configs written before it existed read back unchanged."""
 
     codec_id = "tierstore.dynamic8"
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK, dtype: str = "float32", signed: bool = True):
+    def __init__(self, block_size: int = DEFAULT_BLOCK, dtype: str = "float32", signed: bool = True,
+                 rounding: str = "nearest"):
         super().__init__(block_size, dtype)
         self.signed = bool(signed)
-        self.scheme = "dyn8s" if self.signed else "dyn8u"
+        if rounding not in ("nearest", "bounded") or (self.signed and rounding != "nearest"):
+            raise TierstoreValueError(f"rounding={rounding!r} is not available; use 'nearest', or 'bounded' with "
+                                      f"signed=False")
+        self.rounding = rounding
+        self.scheme = "dyn8s" if self.signed else ("dyn8u" if rounding == "nearest" else "dyn8v")
 
     def get_config(self) -> dict:
-        return {**super().get_config(), "signed": self.signed}
+        cfg = {**super().get_config(), "signed": self.signed}
+        if self.rounding != "nearest":
+            cfg["rounding"] = self.rounding
+        return cfg
 
     def __repr__(self) -> str:
-        return f"Dynamic8(block_size={self.block_size}, dtype={self.dtype!r}, signed={self.signed})"
+        return (f"Dynamic8(block_size={self.block_size}, dtype={self.dtype!r}, signed={self.signed}, "
+                f"rounding={self.rounding!r})")
 
 
 for _cls in (BlockInt8, BlockInt4, Dynamic8):
@@ -188,7 +201,7 @@ for _cls in (BlockInt8, BlockInt4, Dynamic8):
 
 
 def codec_for(scheme: str, block_size: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32) -> _BlockQuantCodec:
-    """The codec object for a scheme name ('int8', 'int4', 'dyn8s', 'dyn8u')."""
+    """The codec object for a scheme name ('int8', 'int4', 'dyn8s', 'dyn8u', 'dyn8v')."""
     name = DTYPE_NAMES.get(dtype)
     if name is None:
         raise TierstoreValueError(f"dtype={dtype} is not supported; use float32, bfloat16 or float16")
@@ -196,9 +209,9 @@ def codec_for(scheme: str, block_size: int = DEFAULT_BLOCK, dtype: torch.dtype =
         return BlockInt8(block_size, name)
     if scheme == "int4":
         return BlockInt4(block_size, name)
-    if scheme in ("dyn8s", "dyn8u"):
-        return Dynamic8(block_size, name, signed=scheme == "dyn8s")
-    raise TierstoreValueError(f"scheme={scheme!r} is not known; use 'int8', 'int4', 'dyn8s' or 'dyn8u'")
+    if scheme in ("dyn8s", "dyn8u", "dyn8v"):
+        return Dynamic8(block_size, name, signed=scheme == "dyn8s", rounding="bounded" if scheme == "dyn8v" else "nearest")
+    raise TierstoreValueError(f"scheme={scheme!r} is not known; use 'int8', 'int4', 'dyn8s', 'dyn8u' or 'dyn8v'")
 
 
 __all__ = ["BlockInt4", "BlockInt8", "Dynamic8", "HEADER_NBYTES", "codec_for", "encoded_nbytes", "empty_quantized"]

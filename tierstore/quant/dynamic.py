@@ -39,6 +39,25 @@ value gets code 1 (1e-7 x absmax) instead. That overestimates a tiny v, which on
 error stays <= 1e-7 x absmax, inside the bound above. The signed map keeps exact nearest rounding: a first
 moment rounded to 0 gives a zero update, which is harmless.
 
+[Note: bounded rounding of second moments]
+Never sending v > 0 to code 0 is not enough. The map is coarse in its low decades: the step just above a
+decade's smallest code is 1.5-5.5x relative (e.g. 1e-7 -> 5.5e-7 at the bottom), so nearest rounding can
+under-estimate a small v by ~2x, 8-bit EMA rounding then keeps it there (beta2 = 0.999 moves v by 0.1% a
+step, far less than half a gap), and m / sqrt(v) is inflated by ~1.4x: with gradient scales varying 1e4x
+inside a block, 15 of 65536 elements moved up to 1.34x lr x steps in 20 steps (fp32 AdamW: 0.83x).
+The scheme ``dyn8v`` (rounding="bounded", used for exp_avg_sq) rounds to nearest except that it never
+under-estimates by more than a factor 1 + DELTA, DELTA = 9/256: the code boundary between codes c and c + 1
+is min(midpoint, value(c) x (1 + DELTA)) instead of the midpoint, so
+
+    v / (1 + DELTA) <= v^   and   |v - v^| <= 0.003515625 x absmax      (both up to fp32 rounding)
+
+and quantization can inflate no Adam step by more than sqrt(1 + DELTA) = 1.0174. DELTA = 9/256 is exactly
+the worst relative under-estimate nearest rounding makes in the top decade (half a gap, 0.9/256, at 0.1):
+the top decade keeps plain nearest rounding and the absolute bound of ``dyn8u``; only the coarse low
+decades round upward. Pure rounding up (DELTA = 0) was measured too: it biases every v upward, which
+shrinks every step: iid-gradient drift 0.029 (target 0.02) against 0.0164 here and 0.0164 for nearest.
+Code 0 is still reached only by v == 0 (its boundary is min(mid, 0 x (1 + DELTA)) = 0).
+
 [Note: two-level LUT]
 Searching 255 midpoints per element is the slow part of encoding. The native kernel instead looks up the
 fp32 bit pattern of r: bucket = (bits(r) >> 15) - base (the exponent and the top 8 mantissa bits, i.e.
@@ -60,6 +79,10 @@ import torch
 
 LUT_MANTISSA_BITS = 8
 LUT_SHIFT = 23 - LUT_MANTISSA_BITS
+#: dyn8v: the most a second moment may be under-estimated, as a relative factor 1 + DELTA
+#: ([Note: bounded rounding of second moments]); half the top decade's gap over its smallest value
+BOUNDED_DELTA = 9 / 256
+ROUNDINGS = ("nearest", "bounded")
 
 
 def magnitudes(width: int) -> np.ndarray:
@@ -79,10 +102,12 @@ class DynamicTables:
 
     signed: bool
     values: np.ndarray  # float32[256]: byte code -> value in [-1, 1]
-    mids: np.ndarray  # float32[magnitude codes]: midpoint above each magnitude code; the last is +inf
+    mids: np.ndarray  # float32[magnitude codes]: boundary above each magnitude code (the midpoint for nearest
+    #                   rounding, min(midpoint, value x (1 + BOUNDED_DELTA)) for bounded); the last is +inf
     lut: np.ndarray  # int32[lut_size]: bucket -> magnitude code below the bucket
     lut_base: int
     half_gap: float  # max |x - x^| / absmax for this map
+    rounding: str = "nearest"
 
     @property
     def lut_size(self) -> int:
@@ -98,8 +123,12 @@ def _u2f(u: int) -> float:
 
 
 @lru_cache(maxsize=None)
-def build_tables(signed: bool) -> DynamicTables:
-    """The signed (first-moment) or unsigned (second-moment) map and its lookup tables. See [Note: the dynamic map]."""
+def build_tables(signed: bool, rounding: str = "nearest") -> DynamicTables:
+    """The signed (first-moment) or unsigned (second-moment) map and its lookup tables. See [Note: the dynamic map].
+
+    ``rounding="bounded"`` (unsigned only): see [Note: bounded rounding of second moments]."""
+    if rounding not in ROUNDINGS or (signed and rounding != "nearest"):
+        raise ValueError(f"rounding={rounding!r} is not available for the {'signed' if signed else 'unsigned'} map")
     mag = magnitudes(7 if signed else 8)
     if signed:
         values = np.concatenate([mag, -mag]).astype(np.float32)
@@ -107,9 +136,11 @@ def build_tables(signed: bool) -> DynamicTables:
     else:
         values = mag.astype(np.float32)
     mids64 = (mag[:-1] + mag[1:]) / 2
+    if rounding == "bounded":
+        mids64 = np.minimum(mids64, mag[:-1] * (1 + BOUNDED_DELTA))
     mids = np.concatenate([mids64.astype(np.float32), np.array([np.inf], dtype=np.float32)])
     # [Note: two-level LUT]
-    emin = math.floor(math.log2(float(mids[0]))) - 1
+    emin = math.floor(math.log2(float(mids[mids > 0][0]))) - 1  # bounded rounding: mids[0] == 0
     base = _f2u(2.0 ** emin) >> LUT_SHIFT
     top = _f2u(1.0) >> LUT_SHIFT  # the bucket starting at 1.0 is the last one
     size = top - base + 1
@@ -120,22 +151,25 @@ def build_tables(signed: bool) -> DynamicTables:
     ok = (lut == len(mids) - 1) | (mids[nxt] >= hi)
     if not ok.all():  # pragma: no cover - a property of the construction, checked on every build
         raise AssertionError("dynamic map LUT buckets hold two midpoints; raise LUT_MANTISSA_BITS")
-    gaps = np.diff(mag)
+    # max |x - x^|: the larger side of any code's rounding interval [boundary below, boundary above]
+    lower = np.concatenate([[0.0], mids64])
+    upper = np.concatenate([mids64, [1.0]])
+    err = float(np.maximum(mag - lower, upper - mag).max())
     return DynamicTables(signed=signed, values=values, mids=mids, lut=lut.astype(np.int32), lut_base=base,
-                         half_gap=float(gaps.max() / 2))
+                         half_gap=err, rounding=rounding)
 
 
 @lru_cache(maxsize=None)
-def _torch_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    t = build_tables(signed)
+def _torch_tables(signed: bool, rounding: str = "nearest") -> tuple[torch.Tensor, torch.Tensor]:
+    t = build_tables(signed, rounding)
     return torch.from_numpy(t.values.copy()), torch.from_numpy(t.mids[:-1].copy())
 
 
-def encode_reference(x: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+def encode_reference(x: torch.Tensor, absmax: torch.Tensor, signed: bool, rounding: str = "nearest") -> torch.Tensor:
     """Codes for ``x`` (fp32, shape (blocks, block)) with per-block ``absmax`` (fp32, (blocks,)); torch only.
 
     The specification the native kernel must match byte for byte (tests hold them equal)."""
-    _, mids = _torch_tables(signed)
+    _, mids = _torch_tables(signed, rounding)
     inv = torch.where(absmax > 0, torch.ones_like(absmax) / absmax, torch.zeros_like(absmax))
     r = x.abs() * inv[:, None]
     codes = torch.bucketize(r, mids, right=False)  # number of midpoints strictly below r
@@ -152,6 +186,6 @@ def decode_reference(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) ->
     return values[codes.long()] * absmax[:, None]
 
 
-def error_bound(signed: bool) -> float:
-    """max |x - x^| / absmax of a block (half the map's largest gap)."""
-    return build_tables(signed).half_gap
+def error_bound(signed: bool, rounding: str = "nearest") -> float:
+    """max |x - x^| / absmax of a block (half the map's largest gap; the same for bounded rounding)."""
+    return build_tables(signed, rounding).half_gap

@@ -16,9 +16,12 @@ SCHEMES = {
     "int8": 8,  # linear symmetric, q = round(x * 127 / absmax)
     "int4": 4,  # linear symmetric, q = round(x * 7 / absmax), stored q + 8 in a nibble
     "dyn8s": 8,  # dynamic 8-bit map, signed (first moments)
-    "dyn8u": 8,  # dynamic 8-bit map, unsigned (second moments; never maps a nonzero to code 0)
+    "dyn8u": 8,  # dynamic 8-bit map, unsigned, nearest rounding (never maps a nonzero to code 0)
+    "dyn8v": 8,  # the unsigned map with bounded rounding: never under-estimates by more than 1 + 9/256 (second moments)
 }
-SCHEME_IDS = {"int8": 0, "int4": 1, "dyn8s": 2, "dyn8u": 3}  # as in native/quant.c
+SCHEME_IDS = {"int8": 0, "int4": 1, "dyn8s": 2, "dyn8u": 3, "dyn8v": 4}  # as in native/quant.c
+#: dynamic-map schemes -> (signed, rounding) for dynamic.build_tables
+DYNAMIC = {"dyn8s": (True, "nearest"), "dyn8u": (False, "nearest"), "dyn8v": (False, "bounded")}
 
 MIN_BLOCK = 64  # elements
 MAX_BLOCK = 8192  # elements (native/quant.c keeps one block of fp32 scratch on the stack)

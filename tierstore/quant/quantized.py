@@ -19,7 +19,7 @@ import torch
 
 from ..errors import TierstoreValueError
 from . import _native, blockwise, dynamic
-from .layout import (DEFAULT_BLOCK, check_block_size, check_buffer, check_dtype, check_scheme, codes_nbytes,
+from .layout import (DEFAULT_BLOCK, DYNAMIC, check_block_size, check_buffer, check_dtype, check_scheme, codes_nbytes,
                      num_blocks)
 
 
@@ -132,7 +132,7 @@ def quantize(x: torch.Tensor, scheme: str = "int8", block_size: int = DEFAULT_BL
         q = blockwise.encode_reference(xf, amax, scheme).reshape(-1)[:n]
         out.codes.copy_(blockwise.pack_int4(q) if scheme == "int4" else q.to(torch.int8).view(torch.uint8))
     else:
-        out.codes.copy_(dynamic.encode_reference(xf, amax, scheme == "dyn8s").reshape(-1)[:n])
+        out.codes.copy_(dynamic.encode_reference(xf, amax, *DYNAMIC[scheme]).reshape(-1)[:n])
     return out
 
 
@@ -169,7 +169,7 @@ def dequantize(q: Quantized, *, out: torch.Tensor | None = None, dtype: torch.dt
     if q.scheme in ("int8", "int4"):
         x = blockwise.decode_reference(padded, q.absmax, q.scheme)
     else:
-        x = dynamic.decode_reference(padded, q.absmax, q.scheme == "dyn8s")
+        x = dynamic.decode_reference(padded, q.absmax, DYNAMIC[q.scheme][0])
     out.view(-1).copy_(x.reshape(-1)[:n])
     return out
 
@@ -179,4 +179,4 @@ def error_bound(scheme: str) -> float:
     check_scheme(scheme)
     if scheme in ("int8", "int4"):
         return blockwise.error_bound(scheme)
-    return dynamic.error_bound(scheme == "dyn8s")
+    return dynamic.error_bound(*DYNAMIC[scheme])
