@@ -49,8 +49,8 @@ import torch
 from .errors import CorruptionError, MisuseError, TierFullError, TierstoreIOError, TierstoreValueError
 from .io import BufferPool, Engine
 from .tensor import (IDENTITY, TieredTensor, codec_config, codec_from_config, dtype_from_name, dtype_name,
-                     to_numpy)
-from .tiers import TIERS, DeviceTier, Extent, HostTier, NvmeTier, tier_index
+                     out_bytes, to_numpy)
+from .tiers import TIERS, DeviceTier, Extent, HostTier, NvmeTier, profile_range, tier_index
 from .tiers.device import to_dlpack_tensor
 from .tiers.host import result_empty
 from .tiers.nvme import fsync_dir
@@ -315,37 +315,62 @@ class Store:
 
     __getitem__ = tensor
 
-    def get(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
-        """A copy of tensor `name` as a plain torch.Tensor (see TieredTensor.get)."""
-        return self.tensor(name).get(device)
+    def get(self, name: str, device: torch.device | str | None = None, *,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of tensor `name` as a plain torch.Tensor (see TieredTensor.get; out= reads into your tensor)."""
+        return self.tensor(name).get(device, out=out)
 
-    def get_many(self, names: Iterable[str], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        """Like get() for many tensors; reads of nvme-only tensors are coalesced into large requests."""
+    def get_many(self, names: Iterable[str], device: torch.device | str | None = None, *,
+                 out=None) -> dict[str, torch.Tensor]:
+        """Like get() for many tensors; reads of nvme-only tensors are coalesced into large requests and
+        overlapped. out: tensors to read into, a mapping name -> tensor or a sequence in the order of
+        `names` (see TieredTensor.get); the result maps each name to its out tensor then."""
         names = list(names)
-        out: dict[str, torch.Tensor] = {}
+        outs: dict[str, torch.Tensor] = {}
+        if out is not None:
+            if isinstance(out, dict):
+                outs = dict(out)
+            else:
+                out = list(out)
+                if len(out) != len(names):
+                    raise TierstoreValueError(f"out= has {len(out)} tensors for {len(names)} names: give one per "
+                                              "name, in the same order (or a dict name -> tensor)")
+                outs = dict(zip(names, out))
+        result: dict[str, torch.Tensor] = {}
         batch = []
         with self._lock:
             self._check_open()
             for n in names:
                 t = self.tensor(n)
+                o = outs.get(n)
+                if o is not None:
+                    t._check_out(o, device)
                 ext = t._copies.get("nvme")
                 if t._memory_copy() is None and ext is not None and ext.length:
                     t._pins += 1
-                    batch.append((t, ext, t._version))
+                    direct = out_bytes(o) if o is not None and t.codec is IDENTITY else None
+                    batch.append((t, ext, t._version, o, direct))
         try:
-            bufs = [result_empty(ext.length) for _t, ext, _v in batch]
-            errors = self._nvme.read_many([(ext, b, f"tensor {t.name!r}") for (t, ext, _v), b in zip(batch, bufs)])
+            bufs = [direct if direct is not None else result_empty(ext.length) for _t, ext, _v, _o, direct in batch]
+            errors = self._nvme.read_many([(ext, b, f"tensor {t.name!r}")
+                                           for (t, ext, _v, _o, _d), b in zip(batch, bufs)])
         finally:
             with self._lock:
-                for t, _e, _v in batch:
+                for t, *_rest in batch:
                     t._pins -= 1
         first_error = None
         with self._lock:
-            for (t, ext, v), buf, err in zip(batch, bufs, errors):
+            for (t, ext, v, o, direct), buf, err in zip(batch, bufs, errors):
                 if err is None and v == t._version and not t._deleted:
                     t._touch()
+                    if direct is not None:
+                        result[t.name] = o
+                        continue
                     val = t._decode(buf)
-                    out[t.name] = val if device is None else val.to(device)
+                    if o is not None:
+                        o.copy_(val)
+                        val = o
+                    result[t.name] = val if device is None or o is not None else val.to(device)
                 elif err is not None and not isinstance(err, MisuseError):
                     w = ext.written
                     if w is not None and w.done() and w.exception() is not None:  # its write failed
@@ -354,9 +379,9 @@ class Store:
         if first_error is not None:
             raise first_error
         for n in names:
-            if n not in out:
-                out[n] = self.get(n, device)
-        return out
+            if n not in result:
+                result[n] = self.get(n, device, out=outs.get(n))
+        return result
 
     def __contains__(self, name: object) -> bool:
         with self._lock:
@@ -388,7 +413,7 @@ class Store:
         """Make every tensor put so far durable (see [Note: crash safety]). On an I/O error (disk full ...)
         it raises, the previous flush stays what a reopen finds, and a later flush() retries."""
         t0 = time.perf_counter()
-        with self._flush_lock, torch.profiler.record_function("tierstore::flush"):
+        with self._flush_lock, profile_range("tierstore::flush"):
             with self._lock:
                 self._check_open()
                 for t in list(self._tensors.values()):
@@ -429,19 +454,30 @@ class Store:
         self._flush_seconds += time.perf_counter() - t0
 
     def _write_manifest(self, snapshot: list[tuple[TieredTensor, Extent]]) -> None:
+        tensors = {}
+        for t, e in snapshot:
+            cached = t._manifest_entry
+            if cached is None or cached[0] is not e:
+                cached = t._manifest_entry = (e, {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
+                                                  "nbytes": t.nbytes, "codec": codec_config(t.codec),
+                                                  "extent": e.to_json()})
+            tensors[t.name] = cached[1]
         body = {
             "generation": self._generation + 1, "ndirs": len(self.paths), "stripe_unit": self._nvme.stripe_unit,
             "extent_files": [f"extents-{k:04d}.bin" for k in range(len(self._nvme.files))],
-            "tensors": {t.name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "nbytes": t.nbytes,
-                                 "codec": codec_config(t.codec), "extent": e.to_json()} for t, e in snapshot},
+            "tensors": tensors,
         }
-        doc = {"format": FORMAT, "version": VERSION, "crc32c": _manifest_crc(body), "body": body}
+        # Serialised once, by json's C encoder (json.dump to a file takes the pure-Python path): the body in
+        # the canonical form its crc32c covers, wrapped as the document (see read_manifest).
+        body_text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        text = (f'{{"format":{json.dumps(FORMAT)},"version":{VERSION},'
+                f'"crc32c":{crc32c.crc32c(body_text.encode())},"body":{body_text}}}')
         final = os.path.join(self.paths[0], MANIFEST)
         tmp = final + ".tmp"
-        with torch.profiler.record_function("tierstore::manifest"):
+        with profile_range("tierstore::manifest"):
             try:
                 with open(tmp, "w") as f:
-                    json.dump(doc, f, separators=(",", ":"))
+                    f.write(text)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, final)

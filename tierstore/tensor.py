@@ -18,6 +18,7 @@ current value. `update()` and write-back bump `_version`, so a read that ran wit
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from .errors import MisuseError, TierstoreValueError
-from .tiers import TIERS, Extent, tier_index
+from .tiers import TIERS, Extent, profile_range, tier_index
 from .tiers.host import result_empty
 
 if TYPE_CHECKING:
@@ -71,8 +72,14 @@ def codec_config(codec) -> dict | None:
     return None if codec is None or codec is IDENTITY else codec.get_config()
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -95,11 +102,24 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
+def out_bytes(out: torch.Tensor) -> torch.Tensor | None:
+    """The bytes of `out` as a flat uint8 view when the nvme tier can read straight into it (contiguous, CPU)."""
+    if out.device.type == "cpu" and out.is_contiguous():
+        return as_bytes(out)
+    return None
+
+
+def copy_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src for contiguous uint8 CPU tensors of one size, as a memmove (no torch thread pool)."""
+    if src.numel():
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
+
+
 def _nbytes(shape, dtype: torch.dtype) -> int:
-    n = 1
+    n = dtype.itemsize  # bytes per element
     for s in shape:
         n *= s
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n
 
 
 class TieredTensor:
@@ -117,6 +137,7 @@ class TieredTensor:
         self._pins = 0  # resident() blocks and moves in progress: not evictable while > 0
         self._version = 0
         self._deleted = False
+        self._manifest_entry: tuple[Extent, dict] | None = None  # (extent, its manifest entry), reused by flush()
 
     # -- state --------------------------------------------------------------------------------------
     @property
@@ -225,9 +246,10 @@ class TieredTensor:
                 lru.move_to_end(self)
 
     # -- reading ---------------------------------------------------------------------------------------
-    def _read_value(self) -> tuple[torch.Tensor, bool]:
+    def _read_value(self, into: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
         """The current value as a tensor (a memory copy, or a fresh CPU tensor read from nvme) and whether it is
-        fresh (ours to keep). Runs nvme reads without the store lock; retries if the tensor changed meanwhile."""
+        fresh (ours to keep). Runs nvme reads without the store lock; retries if the tensor changed meanwhile.
+        `into`: contiguous uint8 CPU memory of nbytes to read an identity-coded nvme copy into (get(out=))."""
         store = self._store
         while True:
             with store._lock:
@@ -242,7 +264,8 @@ class TieredTensor:
                 version = self._version
                 self._pins += 1
             try:
-                data = result_empty(ext.length)  # the caller's result, not a host-tier copy
+                # the caller's result (or out=), not a host-tier copy
+                data = into if into is not None and ext.length == self.nbytes else result_empty(ext.length)
                 try:
                     store._nvme.read(ext, data, f"tensor {self.name!r}")
                 except MisuseError:
@@ -296,9 +319,37 @@ class TieredTensor:
                 return
 
     # -- public API ------------------------------------------------------------------------------------
-    def get(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """A copy of the value as a plain tensor (on `device`, default: where the fastest copy is; nvme -> cpu)."""
-        return self._read_to(device)
+    def get(self, device: torch.device | str | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of the value as a plain tensor (on `device`, default: where the fastest copy is; nvme -> cpu).
+
+        out: a tensor of this shape and dtype to receive the value (returned). A trainer that reads the same
+        tensors every step should pass one: freshly allocated memory costs page faults, which on a VM
+        can be slower than the disk. A contiguous CPU `out` is read into directly (O_DIRECT when it is 4 KiB
+        aligned, else through pool buffers); `device=`, if given, must be out's device."""
+        if out is None:
+            return self._read_to(device)
+        self._check_out(out, device)
+        direct = out_bytes(out) if self.codec is IDENTITY else None
+        value, _fresh = self._read_value(direct)
+        if direct is None or value.data_ptr() != out.data_ptr():
+            if direct is not None and value.device.type == "cpu" and value.is_contiguous():
+                copy_host(direct, as_bytes(value))
+            else:
+                out.copy_(value)
+        return out
+
+    def _check_out(self, out, device=None) -> None:
+        if not isinstance(out, torch.Tensor):
+            raise TierstoreValueError(f"out= for {self.name!r} must be a torch.Tensor of shape {tuple(self.shape)} "
+                                      f"and dtype {self.dtype}; got a {type(out).__name__}")
+        if tuple(out.shape) != tuple(self.shape) or out.dtype != self.dtype:
+            raise TierstoreValueError(
+                f"out= for {self.name!r} needs shape {tuple(self.shape)} and dtype {self.dtype}; got "
+                f"{tuple(out.shape)} {out.dtype}. Allocate it with torch.empty({tuple(self.shape)}, dtype={self.dtype})")
+        if device is not None and torch.device(device) != out.device:
+            if not (torch.device(device).type == out.device.type and torch.device(device).index is None):
+                raise TierstoreValueError(f"device={device!r} but out= is on {out.device}: the value goes where "
+                                          "out is; leave device out")
 
     def prefetch(self, tier: str = "device") -> Future:
         """Start moving a copy up to `tier` ('device' or 'host'); the future resolves to this TieredTensor."""
@@ -338,7 +389,7 @@ class TieredTensor:
                         if other == "nvme":
                             self._write_nvme(x)
                         else:
-                            with torch.profiler.record_function("tierstore::writeback"):
+                            with profile_range("tierstore::writeback"):
                                 self._copies[other].copy_(x)
 
     def offload(self, tier: str = "nvme", *, keep: bool = False) -> Future:
@@ -400,7 +451,7 @@ class TieredTensor:
             self._check()
             self._version += 1
             mem = [t for t in ("device", "host") if t in self._copies]
-            with torch.profiler.record_function("tierstore::update"):
+            with profile_range("tierstore::update"):
                 for t in mem:
                     self._copies[t].copy_(value)
             if "nvme" in self._copies:

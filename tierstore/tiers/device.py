@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Budget, TierStats
+from .base import Budget, TierStats, profile_range
 
 
 def default_device() -> torch.device:
@@ -58,7 +58,7 @@ class DeviceTier:
     def copy_in(self, src: torch.Tensor) -> torch.Tensor:
         """A new device tensor holding `src` (any device, any layout); returns when the copy is done."""
         nbytes = src.numel() * src.element_size()
-        with torch.profiler.record_function("tierstore::to_device"), self.stats.timing("in", nbytes):
+        with profile_range("tierstore::to_device"), self.stats.timing("in", nbytes):
             dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
             dst.copy_(src, non_blocking=True)
             self.synchronize()
@@ -67,7 +67,7 @@ class DeviceTier:
     def copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """Copy the device tensor `src` into the host tensor `dst`; returns `dst` when done."""
         nbytes = src.numel() * src.element_size()
-        with torch.profiler.record_function("tierstore::from_device"), self.stats.timing("out", nbytes):
+        with profile_range("tierstore::from_device"), self.stats.timing("out", nbytes):
             dst.copy_(src, non_blocking=True)
             self.synchronize()
         return dst

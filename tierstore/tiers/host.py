@@ -16,7 +16,7 @@ import mmap
 
 import torch
 
-from .base import Budget, TierStats
+from .base import Budget, TierStats, profile_range
 
 log = logging.getLogger("tierstore.tiers")
 
@@ -75,7 +75,7 @@ class HostTier:
     def copy_in(self, src: torch.Tensor) -> torch.Tensor:
         """A new host tensor holding `src` (from any device, any layout)."""
         nbytes = src.numel() * src.element_size()
-        with torch.profiler.record_function("tierstore::to_host"), self.stats.timing("in", nbytes):
+        with profile_range("tierstore::to_host"), self.stats.timing("in", nbytes):
             dst = self.empty(tuple(src.shape), src.dtype)
             dst.copy_(src)
         return dst

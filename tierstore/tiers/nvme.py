@@ -29,6 +29,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 
@@ -37,7 +38,7 @@ import torch
 
 from ..errors import CorruptionError, MisuseError, TierFullError, TierstoreValueError
 from ..io import ALIGN, Buffer, BufferPool, Engine, StripedFile
-from .base import Budget, TierStats
+from .base import Budget, TierStats, profile_range
 
 log = logging.getLogger("tierstore.tiers")
 
@@ -65,7 +66,28 @@ def crc_of(t: torch.Tensor, value: int = 0) -> int:
     """crc32c of a contiguous uint8 CPU tensor."""
     if t.numel() == 0:
         return value
-    return crc32c.crc32c(memoryview(t.numpy()), value)
+    return crc_at(t.data_ptr(), t.numel(), value)
+
+
+_FromMemory = ctypes.pythonapi.PyMemoryView_FromMemory
+_FromMemory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+_FromMemory.restype = ctypes.py_object
+
+
+def memory_at(addr: int, nbytes: int) -> memoryview:
+    """A read-only memoryview of `nbytes` of host memory at `addr` (the caller keeps the memory alive)."""
+    return _FromMemory(addr, nbytes, 0x100)  # PyBUF_READ
+
+
+def crc_at(addr: int, nbytes: int, value: int = 0) -> int:
+    """crc32c of `nbytes` of host memory at `addr` (the crc32c package releases the GIL for large inputs).
+
+    [Note: one pass over the data, while it is in cache]
+    Writes compute the checksum on the staging copy right after the memmove that made it; reads compute it
+    on each chunk of the destination right after that chunk arrived (and, through a bounce buffer, right
+    after the memmove out of it), overlapped with the chunks still in flight. No pass over a whole large
+    tensor happens after its I/O."""
+    return crc32c.crc32c(memory_at(addr, nbytes), value) if nbytes else value
 
 
 class Extent:
@@ -342,13 +364,19 @@ class NvmeTier:
         n = src.numel()
         if n == 0:
             return Extent(0, 0, 0, 0, 0)
+        if src.device.type != "cpu" or not src.is_contiguous() or src.element_size() != 1:
+            raise TierstoreValueError("the nvme tier writes contiguous uint8 CPU tensors")
         alen = align_up(n)
-        with torch.profiler.record_function("tierstore::nvme_write"), self.stats.timing("in", n):
-            if alen <= self.pool.buffer_bytes:
-                return self._write_staged(src, n, alen)
-            return self._write_streamed(src, n, alen)
+        t0 = time.perf_counter()
+        try:
+            with profile_range("tierstore::nvme_write"):
+                if alen <= self.pool.buffer_bytes:
+                    return self._write_staged(src.data_ptr(), n, alen)
+                return self._write_streamed(src.data_ptr(), n, alen)
+        finally:
+            self.stats.add("in", n, time.perf_counter() - t0)
 
-    def _write_staged(self, src: torch.Tensor, n: int, alen: int) -> Extent:
+    def _write_staged(self, addr: int, n: int, alen: int) -> Extent:
         with self._lock:
             st = self._staging
             self._charge(alen)
@@ -358,9 +386,10 @@ class NvmeTier:
                 f, base = self._allocate(self.pool.buffer_bytes, account=False)
                 st = self._staging = _Staging(buf, f, base, self.pool.buffer_bytes)
             pos = st.fill
-            copy_bytes(st.buf.tensor(torch.uint8, pos + n)[pos:], src)
+            dst = st.buf.addr + pos
+            ctypes.memmove(dst, addr, n)
             st.fill += alen
-            return Extent(st.file, st.base + pos, n, alen, crc_of(src), st.future)
+            return Extent(st.file, st.base + pos, n, alen, crc_at(dst, n), st.future)
 
     def _seal(self) -> None:
         """Write the staging buffer (caller holds the lock)."""
@@ -396,7 +425,7 @@ class NvmeTier:
         with self._lock:
             self._seal()
 
-    def _write_streamed(self, src: torch.Tensor, n: int, alen: int) -> Extent:
+    def _write_streamed(self, addr: int, n: int, alen: int) -> Extent:
         with self._lock:
             f, off = self._allocate(alen)
             self._dirty_files.add(f)
@@ -426,9 +455,8 @@ class NvmeTier:
             a = i * bb
             take = min(bb, n - a)
             buf = self.pool.lease()  # waits while every buffer is in flight: back-pressure
-            piece = src[a:a + take]
-            copy_bytes(buf.tensor(torch.uint8, take), piece)
-            crc = crc_of(piece, crc)
+            ctypes.memmove(buf.addr, addr + a, take)
+            crc = crc_at(buf.addr, take, crc)  # [Note: one pass over the data, while it is in cache]
             try:
                 io = self.engine.write(sf, buf.tensor(torch.uint8, align_up(take)), off + a)
             except BaseException as e:
@@ -474,71 +502,28 @@ class NvmeTier:
         """Read extent `e` into `out` (contiguous uint8 CPU tensor of e.length elements), check its crc32c.
 
         `what` names the tensor in errors. Raises CorruptionError on a checksum mismatch."""
-        self._check()
-        if e.length == 0:
-            return
-        self.begin_read(e)
-        try:
-            self._wait_written(e)
-            with torch.profiler.record_function("tierstore::nvme_read"), self.stats.timing("out", e.length):
-                sf = self.files[e.file]
-                if out.data_ptr() % ALIGN == 0:
-                    self.engine.read(sf, out, e.offset).result()  # O_DIRECT straight into the tensor
-                else:
-                    self._read_through_pool(sf, e, out)
-                self._verify(e, out, what)
-        finally:
-            self.end_read(e)
+        err = self.read_many([(e, out, what)])[0]
+        if err is not None:
+            raise err
 
-    def _read_through_pool(self, sf: StripedFile, e: Extent, out: torch.Tensor) -> None:
-        bb = self.pool.buffer_bytes
-        window: deque = deque()
-
-        def finish_oldest() -> None:
-            a, take, buf, io = window.popleft()
-            try:
-                io.result()
-                copy_bytes(out[a:a + take], buf.tensor(torch.uint8, take))
-            finally:
-                buf.release()
-        try:
-            for a in range(0, e.length, bb):
-                take = min(bb, e.length - a)
-                buf = self.pool.try_lease()
-                while buf is None:
-                    if window:
-                        finish_oldest()
-                        buf = self.pool.try_lease()
-                    else:
-                        buf = self.pool.lease()
-                try:
-                    io = self.engine.read(sf, buf.tensor(torch.uint8, align_up(take)), e.offset + a)
-                except BaseException:
-                    buf.release()
-                    raise
-                window.append((a, take, buf, io))
-            while window:
-                finish_oldest()
-        finally:
-            for _a, _t, buf, io in window:
-                try:
-                    io.exception()
-                finally:
-                    buf.release()
-
-    def _verify(self, e: Extent, data: torch.Tensor, what: str) -> None:
-        got = crc_of(data)
-        if got != e.crc:
-            paths = self.file_paths(e.file, e.offset, e.length)
-            raise CorruptionError(
-                f"{what}: checksum mismatch (crc32c {got:#010x}, expected {e.crc:#010x}) reading "
-                f"{e.length} bytes at offset {e.offset} of extent file {EXTENT_FILE.format(e.file)} "
-                f"({', '.join(paths)}); the file was changed outside tierstore or the disk returned bad data",
-                paths[0] if len(paths) == 1 else ",".join(paths), e.offset, e.length)
+    def _corruption(self, e: Extent, got: int, what: str) -> CorruptionError:
+        paths = self.file_paths(e.file, e.offset, e.length)
+        return CorruptionError(
+            f"{what}: checksum mismatch (crc32c {got:#010x}, expected {e.crc:#010x}) reading "
+            f"{e.length} bytes at offset {e.offset} of extent file {EXTENT_FILE.format(e.file)} "
+            f"({', '.join(paths)}); the file was changed outside tierstore or the disk returned bad data",
+            paths[0] if len(paths) == 1 else ",".join(paths), e.offset, e.length)
 
     def read_many(self, items: list[tuple[Extent, torch.Tensor, str]]) -> list[BaseException | None]:
-        """Read many extents, coalescing neighbours into buffer-sized requests. Returns one error (or None)
-        per item, in order: a corrupt tensor does not stop the others."""
+        """Read many extents, each into its `out` (contiguous uint8 CPU tensor of e.length elements).
+        Returns one error (or None) per item, in order: a corrupt tensor does not stop the others.
+
+        [Note: how reads are issued]
+        Small extents (<= half a pool buffer) are sorted by place and coalesced into buffer-sized reads
+        (neighbours at most 64 KiB apart) through pool buffers, then copied out. Larger extents are read in
+        buffer-sized chunks, many in flight (across tensors too): straight into `out` with O_DIRECT when it
+        is 4 KiB aligned, else through pool buffers with the copy of chunk k overlapping the reads of the
+        chunks after it. Each chunk's crc32c is folded in as it completes, in order."""
         self._check()
         errors: list[BaseException | None] = [None] * len(items)
         bb = self.pool.buffer_bytes
@@ -546,6 +531,10 @@ class NvmeTier:
         for i, (e, out, what) in enumerate(items):
             if e.length == 0:
                 continue
+            if out.numel() != e.length or out.element_size() != 1 or out.device.type != "cpu" \
+                    or not out.is_contiguous():
+                raise TierstoreValueError(f"{what}: reads go into a contiguous uint8 CPU tensor of {e.length} "
+                                          f"elements; got {out.dtype} {tuple(out.shape)} on {out.device}")
             try:
                 self.begin_read(e)
             except BaseException as exc:
@@ -553,6 +542,7 @@ class NvmeTier:
                 continue
             began.append(e)
             (small if e.alloc <= bb // 2 else big).append(i)
+        t0 = time.perf_counter()
         try:
             for i in small + big:
                 try:
@@ -573,30 +563,89 @@ class NvmeTier:
                         runs[-1].append(i)
                         continue
                 runs.append([i])
-            with torch.profiler.record_function("tierstore::nvme_read_many"):
+            with profile_range("tierstore::nvme_read"):
                 self._read_runs(items, runs, errors)
-                for i in big:
-                    e, out, what = items[i]
-                    try:
-                        with self.stats.timing("out", e.length):
-                            sf = self.files[e.file]
-                            if out.data_ptr() % ALIGN == 0:
-                                self.engine.read(sf, out, e.offset).result()
-                            else:
-                                self._read_through_pool(sf, e, out)
-                            self._verify(e, out, what)
-                    except BaseException as exc:
-                        errors[i] = exc
+                self._read_big(items, big, errors)
         finally:
             for e in began:
                 self.end_read(e)
+            moved = sum(items[i][0].length for i in small + big if errors[i] is None)  # bytes
+            self.stats.add("out", moved, time.perf_counter() - t0)
         return errors
+
+    def _lease_or_finish(self, window: deque, finish) -> Buffer:
+        """A pool buffer; while none is free, finish the oldest read of `window` (freeing its buffer)."""
+        buf = self.pool.try_lease()
+        while buf is None:
+            if window:
+                finish()
+                buf = self.pool.try_lease()
+            else:
+                buf = self.pool.lease()
+        return buf
+
+    def _read_big(self, items, idx: list[int], errors: list) -> None:
+        bb = self.pool.buffer_bytes  # bytes per chunk
+        max_direct = max(8, self.pool.count)  # chunks in flight when reading straight into the results
+        window: deque = deque()  # (item, start, take, pool buffer or None, io future), oldest first
+        crcs = dict.fromkeys(idx, 0)
+
+        def finish_oldest() -> None:
+            i, a, take, buf, io = window.popleft()
+            e, out, what = items[i]
+            try:
+                try:
+                    io.result()
+                except BaseException as exc:
+                    errors[i] = errors[i] or exc
+                    return
+                if errors[i] is not None:
+                    return
+                dst = out.data_ptr() + a
+                if buf is not None:
+                    ctypes.memmove(dst, buf.addr, take)
+                crcs[i] = crc_at(dst, take, crcs[i])  # [Note: one pass over the data, while it is in cache]
+                if a + take == e.length and crcs[i] != e.crc:
+                    errors[i] = self._corruption(e, crcs[i], what)
+            finally:
+                if buf is not None:
+                    buf.release()
+        try:
+            for i in idx:
+                e, out, what = items[i]
+                sf = self.files[e.file]
+                direct = out.data_ptr() % ALIGN == 0
+                for a in range(0, e.length, bb):
+                    take = min(bb, e.length - a)
+                    if direct:
+                        while len(window) >= max_direct:
+                            finish_oldest()
+                        buf, target = None, out[a:a + take]
+                    else:
+                        buf = self._lease_or_finish(window, finish_oldest)
+                        target = buf.tensor(torch.uint8, align_up(take))
+                    try:
+                        io = self.engine.read(sf, target, e.offset + a)
+                    except BaseException as exc:
+                        if buf is not None:
+                            buf.release()
+                        errors[i] = errors[i] or exc
+                        break
+                    window.append((i, a, take, buf, io))
+            while window:
+                finish_oldest()
+        finally:
+            while window:
+                _i, _a, _t, buf, io = window.popleft()
+                io.exception()  # wait: the kernel may still write into the memory
+                if buf is not None:
+                    buf.release()
 
     def _read_runs(self, items, runs: list[list[int]], errors: list) -> None:
         window: deque = deque()
 
         def finish_oldest() -> None:
-            run, start, buf, io, t0nbytes = window.popleft()
+            run, start, buf, io = window.popleft()
             try:
                 try:
                     io.result()
@@ -604,33 +653,20 @@ class NvmeTier:
                     for i in run:
                         errors[i] = exc
                     return
-                whole = buf.tensor(torch.uint8)
                 for i in run:
                     e, out, what = items[i]
-                    a = e.offset - start
-                    copy_bytes(out, whole[a:a + e.length])
-                    try:
-                        self._verify(e, out, what)
-                    except BaseException as exc:
-                        errors[i] = exc
-                self.stats.add("out", t0nbytes, 0.0)
+                    dst = out.data_ptr()
+                    ctypes.memmove(dst, buf.addr + (e.offset - start), e.length)
+                    got = crc_at(dst, e.length)
+                    if got != e.crc:
+                        errors[i] = self._corruption(e, got, what)
             finally:
                 buf.release()
-
-        import time
-        t0 = time.perf_counter()
-        total = 0
         try:
             for run in runs:
                 first, last = items[run[0]][0], items[run[-1]][0]
                 length = last.offset + last.alloc - first.offset
-                buf = self.pool.try_lease()
-                while buf is None:
-                    if window:
-                        finish_oldest()
-                        buf = self.pool.try_lease()
-                    else:
-                        buf = self.pool.lease()
+                buf = self._lease_or_finish(window, finish_oldest)
                 try:
                     io = self.engine.read(self.files[first.file], buf.tensor(torch.uint8, length), first.offset)
                 except BaseException as exc:
@@ -638,19 +674,14 @@ class NvmeTier:
                     for i in run:
                         errors[i] = exc
                     continue
-                nbytes = sum(items[i][0].length for i in run)
-                total += nbytes
-                window.append((run, first.offset, buf, io, nbytes))
+                window.append((run, first.offset, buf, io))
             while window:
                 finish_oldest()
         finally:
             while window:
-                _r, _s, buf, io, _n = window.popleft()
+                _r, _s, buf, io = window.popleft()
                 io.exception()
                 buf.release()
-            # seconds for the batch as a whole (the per-run adds above counted the bytes)
-            self.stats.add("out", 0, time.perf_counter() - t0)
-            self.stats.ops_out -= 1
 
     # -- durability -------------------------------------------------------------------------------
     def sync(self) -> None:
@@ -665,7 +696,7 @@ class NvmeTier:
             pending = list(self._inflight)
         for fut in pending:
             fut.exception()  # wait
-        with torch.profiler.record_function("tierstore::fsync"):
+        with profile_range("tierstore::fsync"):
             try:
                 for f in sorted(dirty):
                     self.engine.fsync(self.files[f])
