@@ -5,8 +5,11 @@ from .errors import (CorruptionError, MisuseError, PinnedMemoryError, TierFullEr
 
 from .store import Store
 from .tensor import TieredTensor
+from . import zero
+from .zero import OffloadConfig, Zero3Optimizer
 
 __version__ = "0.1.0"
 
 __all__ = ["CorruptionError", "MisuseError", "PinnedMemoryError", "TierFullError", "TierstoreError",
-           "TierstoreIOError", "Store", "TieredTensor", "errors", "__version__"]
+           "TierstoreIOError", "Store", "TieredTensor", "errors", "__version__", "OffloadConfig", "Zero3Optimizer",
+           "zero"]

@@ -1,0 +1,297 @@
+"""Zero3Optimizer at world size 1: parity with plain torch optimizers on every tier, the Optimizer API
+(param groups + LR schedulers, closure, state_dict, clipping, accumulation), config mapping, refusals."""
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+
+import pytest
+import torch
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add contention on the shared CI cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+import torch.nn as nn
+
+from tierstore.errors import TierstoreValueError
+from tierstore.zero import OffloadConfig, Zero3Optimizer
+
+TIERS = ("device", "host", "nvme")
+
+
+class Net(nn.Module):
+    """Small MLP with a layer norm; enough parameters for several sub-groups when min_io_bytes is small."""
+
+    def __init__(self, d=16, h=32, o=4):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.norm = nn.LayerNorm(h)
+        self.fc2 = nn.Linear(h, h)
+        self.head = nn.Linear(h, o)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(torch.relu(self.norm(self.fc1(x))))))
+
+
+def make_pair(seed=0, **kw):
+    torch.manual_seed(seed)
+    m = Net(**kw)
+    return m, copy.deepcopy(m)
+
+
+def batches(n, d=16, o=4, seed=1, bs=24):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(bs, d, generator=g), torch.randn(bs, o, generator=g)) for _ in range(n)]
+
+
+def loss_fn(m, x, y):
+    return ((m(x) - y) ** 2).mean()
+
+
+def cfg(tmp_path, params="device", states="host", grads="host", **kw):
+    kw.setdefault("min_io_bytes", 1024)  # several sub-groups even for a tiny model
+    kw.setdefault("sub_group_bytes", 8192)
+    return OffloadConfig(params=params, optimizer_states=states, gradients=grads,
+                         nvme_paths=[str(tmp_path / "nvme")], **kw)
+
+
+def max_rel(full, ref_model):
+    worst = 0.0
+    for n, p in ref_model.named_parameters():
+        d = (full[n].float() - p.detach()).abs().max().item()
+        worst = max(worst, d / max(p.detach().abs().max().item(), 1e-12))
+    return worst
+
+
+_REFERENCE: dict = {}
+
+
+def reference(opt_cls, kwargs, steps):
+    """The plain torch run, once per (optimizer, kwargs) for the whole module."""
+    key = (opt_cls, repr(sorted(kwargs.items())), steps)
+    if key not in _REFERENCE:
+        ref_m, _ = make_pair()
+        ref = opt_cls(ref_m.parameters(), **kwargs)
+        for x, y in batches(steps):
+            loss_fn(ref_m, x, y).backward()
+            ref.step()
+            ref.zero_grad()
+        _REFERENCE[key] = ref_m
+    return _REFERENCE[key]
+
+
+def run_parity(tmp_path, opt_cls, kwargs, steps=20, **cfg_kw):
+    ref_m = reference(opt_cls, kwargs, steps)
+    _, z_m = make_pair()
+    opt = Zero3Optimizer(z_m, opt_cls, config=cfg(tmp_path, **cfg_kw), **kwargs)
+    try:
+        assert len(opt.layout.trainable_gids()) > 1  # the pipeline really has several sub-groups
+        for x, y in batches(steps):
+            loss_fn(z_m, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        return max_rel(opt.full_state_dict(), ref_m)
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("params,states,grads", list(itertools.product(TIERS, TIERS, TIERS)))
+def test_adamw_parity_every_tier_combination(tmp_path, params, states, grads):
+    rel = run_parity(tmp_path, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), params=params, states=states,
+                     grads=grads)
+    assert rel <= 1e-6, rel
+
+
+@pytest.mark.parametrize("opt_cls,kwargs", [
+    (torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
+    (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+    (torch.optim.Adagrad, dict(lr=5e-2, initial_accumulator_value=0.1, lr_decay=1e-3)),
+])
+@pytest.mark.parametrize("tiers", [("device", "device", "device"), ("host", "nvme", "host"), ("nvme", "nvme", "nvme")])
+def test_other_optimizers_parity(tmp_path, opt_cls, kwargs, tiers):
+    rel = run_parity(tmp_path, opt_cls, kwargs, params=tiers[0], states=tiers[1], grads=tiers[2])
+    assert rel <= 1e-6, rel
+
+
+def test_params_really_leave_the_model_and_states_live_in_the_store(tmp_path):
+    _, m = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(tmp_path, "nvme", "nvme", "nvme"))
+    try:
+        assert all(p.numel() == 0 for p in m.parameters())  # released outside forward
+        x, y = batches(1)[0]
+        loss_fn(m, x, y).backward()
+        assert all(p.numel() == 0 and p.grad is None for p in m.parameters())
+        opt.step()
+        keys = set(opt.store.keys())
+        gid = opt.layout.trainable_gids()[0]
+        assert {f"m{gid}", f"p{gid}", f"g{gid}", f"s{gid}.exp_avg", f"s{gid}.exp_avg_sq"} <= keys
+        assert opt.store.tensor(f"s{gid}.exp_avg").tiers == {"nvme"}
+        assert opt.store.tensor(f"p{gid}").tiers == {"nvme"}
+    finally:
+        opt.close()
+
+
+def test_param_groups_with_lr_scheduler_match_torch(tmp_path):
+    ref_m, z_m = make_pair()
+
+    def groups(m):
+        decay = [p for n, p in m.named_parameters() if n.endswith("weight") and "norm" not in n]
+        rest = [p for n, p in m.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 3e-3}]
+
+    ref = torch.optim.AdamW(groups(ref_m), lr=1e-2)
+    opt = Zero3Optimizer(z_m, torch.optim.AdamW, param_groups=groups(z_m), lr=1e-2, config=cfg(tmp_path))
+    s_ref = torch.optim.lr_scheduler.StepLR(ref, step_size=3, gamma=0.5)
+    s_z = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    try:
+        assert len(opt.param_groups) == 2 and opt.param_groups[1]["lr"] == 3e-3
+        for x, y in batches(10):
+            for m, o, s in ((ref_m, ref, s_ref), (z_m, opt, s_z)):
+                o.zero_grad()
+                loss_fn(m, x, y).backward()
+                o.step()
+                s.step()
+        assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"] < 1e-2
+        assert max_rel(opt.full_state_dict(), ref_m) <= 1e-6
+    finally:
+        opt.close()
+
+
+def test_closure_clipping_and_gradient_accumulation_match_torch(tmp_path):
+    ref_m, z_m = make_pair()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    opt = Zero3Optimizer(z_m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path, "host", "nvme", "host"))
+    data = batches(12)
+    try:
+        for i in range(0, 12, 3):  # 3 micro-batches per step
+            norms = []
+            for m, o in ((ref_m, ref), (z_m, opt)):
+                for x, y in data[i:i + 3]:
+                    (loss_fn(m, x, y) / 3).backward()
+                if o is ref:
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(ref_m.parameters(), 0.05)))
+                else:
+                    norms.append(float(o.clip_grad_norm_(0.05)))
+                o.step()
+                o.zero_grad()
+            assert norms[0] == pytest.approx(norms[1], rel=1e-5) and norms[0] > 0.05  # clipping was active
+        losses = []
+        for m, o in ((ref_m, ref), (z_m, opt)):
+            x, y = data[0]
+
+            def closure(m=m, o=o):
+                o.zero_grad()
+                loss = loss_fn(m, x, y)
+                loss.backward()
+                return loss
+            losses.append(float(o.step(closure).detach()))
+        assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+        assert max_rel(opt.full_state_dict(), ref_m) <= 1e-6
+    finally:
+        opt.close()
+
+
+def test_state_dict_round_trip_continues_identically(tmp_path):
+    _, m = make_pair()
+    data = batches(10)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path / "a", "host", "nvme", "host"))
+    for x, y in data[:5]:
+        loss_fn(m, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    _, m2 = make_pair(seed=5)  # different initial values: everything must come from the state dict
+    opt2 = Zero3Optimizer(m2, torch.optim.AdamW, lr=1.0, config=cfg(tmp_path / "b", "device", "host", "device"))
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    for mm, oo in ((m, opt), (m2, opt2)):
+        for x, y in data[5:]:
+            loss_fn(mm, x, y).backward()
+            oo.step()
+            oo.zero_grad()
+    a, b = opt.full_state_dict(), opt2.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(TierstoreValueError, match="plain torch optimizer"):
+        opt2.load_state_dict(torch.optim.AdamW(nn.Linear(2, 2).parameters()).state_dict())
+    opt.close()
+    opt2.close()
+
+
+def test_unused_tied_and_reused_modules(tmp_path):
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.block = nn.Linear(8, 8)
+            self.unused = nn.Linear(8, 8)
+            self.out = nn.Linear(8, 10, bias=False)
+            self.out.weight = self.emb.weight  # tied
+
+        def forward(self, idx):
+            h = self.emb(idx)
+            h = torch.tanh(self.block(h))
+            h = torch.tanh(self.block(h))  # called twice
+            return self.out(h)
+
+    torch.manual_seed(0)
+    ref_m = Odd()
+    z_m = copy.deepcopy(ref_m)
+    ref = torch.optim.Adam(ref_m.parameters(), lr=1e-2)
+    opt = Zero3Optimizer(z_m, torch.optim.Adam, lr=1e-2, config=cfg(tmp_path, "host", "host", "host"))
+    try:
+        assert "out.weight" not in opt.layout.specs  # tied: one partitioned copy
+        g = torch.Generator().manual_seed(3)
+        for _ in range(8):
+            idx = torch.randint(0, 10, (6, 5), generator=g)
+            tgt = torch.randint(0, 10, (6, 5), generator=g)
+            for m, o in ((ref_m, ref), (z_m, opt)):
+                nn.functional.cross_entropy(m(idx).reshape(-1, 10), tgt.reshape(-1)).backward()
+                o.step()
+                o.zero_grad()
+        full = opt.full_state_dict()
+        assert torch.equal(full["out.weight"], full["emb.weight"])
+        assert max_rel(full, ref_m) <= 1e-6
+    finally:
+        opt.close()
+
+
+def test_refuses_non_elementwise_optimizers_and_bad_config(tmp_path):
+    _, m = make_pair()
+    for cls in (torch.optim.LBFGS, torch.optim.Adafactor, torch.optim.SparseAdam):
+        with pytest.raises(TierstoreValueError, match="elementwise"):
+            Zero3Optimizer(m, cls, config=cfg(tmp_path))
+    with pytest.raises(TierstoreValueError, match="class, not an instance"):
+        Zero3Optimizer(m, torch.optim.AdamW(m.parameters()), config=cfg(tmp_path))
+    with pytest.raises(TierstoreValueError, match="nvme_paths"):
+        OffloadConfig(optimizer_states="nvme")
+    with pytest.raises(TierstoreValueError, match="params="):
+        OffloadConfig(params="disk")
+
+
+def test_from_deepspeed_maps_keys_and_warns_on_the_rest():
+    ds = {"train_batch_size": 8,
+          "zero_optimization": {"stage": 3, "sub_group_size": 1_000_000, "stage3_prefetch_bucket_size": 5e7,
+                                "offload_param": {"device": "cpu", "pin_memory": True},
+                                "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme0", "buffer_count": 4},
+                                "zero_quantized_weights": True, "stage3_max_live_parameters": 1e9},
+          "bf16": {"enabled": True}, "aio": {"block_size": 1048576, "queue_depth": 8}}
+    with pytest.warns(UserWarning, match="buffer_count") as rec:
+        c = OffloadConfig.from_deepspeed(ds)
+    msg = str(rec[0].message)
+    assert "stage3_max_live_parameters" in msg and "aio.queue_depth" in msg
+    assert (c.params, c.optimizer_states, c.nvme_paths) == ("host", "nvme", ["/nvme0"])
+    assert c.compute_dtype == torch.bfloat16 and c.quantized_weights and c.sub_group_bytes == 4_000_000
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c2 = OffloadConfig.from_deepspeed({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True,
+                                                                                      "initial_scale_power": 8}})
+    assert c2.compute_dtype == torch.float16 and c2.initial_loss_scale == 256
+    with pytest.raises(TierstoreValueError, match="stage"):
+        OffloadConfig.from_deepspeed({"zero_optimization": {"stage": 2}})

@@ -1,0 +1,77 @@
+"""torch.distributed in the few shapes ZeRO-3 needs; every function is a no-op copy at world size 1."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def world_and_rank(group=None) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group), dist.get_rank(group)
+    return 1, 0
+
+
+def all_gather(shard: torch.Tensor, out: torch.Tensor, group=None, *, quantized: bool = False) -> torch.Tensor:
+    """out (world x shard elements) = every rank's shard, in rank order (qwZ int8 when `quantized`)."""
+    world, _ = world_and_rank(group)
+    if world == 1:
+        return out.copy_(shard)
+    if quantized and shard.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        from ..quant.collectives import all_gather_quantized
+        return all_gather_quantized(shard, group, out=out)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, shard.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter_avg(full: torch.Tensor, group=None, *, quantized: bool = False,
+                       intra_node_size: int | None = None) -> torch.Tensor:
+    """This rank's shard (fp32) of the mean over ranks of `full` (fp32, numel divisible by world)."""
+    world, _ = world_and_rank(group)
+    if world == 1:
+        return full.to(torch.float32, copy=True)
+    if quantized:
+        from ..quant.collectives import reduce_scatter_quantized
+        return reduce_scatter_quantized(full, group, intra_node_size=intra_node_size, scheme="int4", op="avg")
+    out = torch.empty(full.numel() // world, dtype=torch.float32, device=full.device)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, full.to(torch.float32).contiguous(), group=group)
+    return out.div_(world)
+
+
+def all_reduce_sum(x: torch.Tensor, group=None) -> torch.Tensor:
+    world, _ = world_and_rank(group)
+    if world > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def all_reduce_max(x: torch.Tensor, group=None) -> torch.Tensor:
+    world, _ = world_and_rank(group)
+    if world > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
+def barrier(group=None) -> None:
+    world, _ = world_and_rank(group)
+    if world > 1:
+        dist.barrier(group=group)
+
+
+def all_gather_object(obj, group=None) -> list:
+    world, _ = world_and_rank(group)
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj, src: int = 0, group=None):
+    world, _ = world_and_rank(group)
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

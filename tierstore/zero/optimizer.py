@@ -1,0 +1,502 @@
+"""Zero3Optimizer: a drop-in ZeRO-3 optimizer that keeps every state in a tierstore Store.
+
+    opt = Zero3Optimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1, config=OffloadConfig(...))
+    loss = model(batch).mean(); loss.backward(); opt.step(); opt.zero_grad()
+
+[Note: thin wrapper over an elementwise optimizer]
+Every parameter is partitioned over the ranks by the bandwidth-centric plan (``tierstore.partition``); each
+rank keeps, per bucket ("sub-group"), its shard of the parameters in the compute dtype (tier ``params``),
+an fp32 master shard and the optimizer's states (tier ``optimizer_states``) and an fp32 gradient partition
+(tier ``gradients``). The inner torch optimizer is built over one flat placeholder tensor per sub-group;
+to step sub-group i the placeholder's ``.data`` becomes the master shard, its ``.grad`` the gradient
+partition and ``inner.state[placeholder]`` the states read from the store; ``inner.step()`` updates only it
+(torch optimizers skip parameters whose grad is None), and the results go back to the store. This is exact
+for optimizers whose update is elementwise -- each element's new value depends only on that element's
+parameter, gradient and states, and on scalars (lr, step count) -- so the allow-list below is checked and
+anything else is refused: a factored (Adafactor) or line-search (LBFGS) update over a flat shard would
+silently be a different optimizer.
+One difference from plain torch, shared with DeepSpeed: a parameter that got no gradient since zero_grad()
+is stepped with a zero gradient (torch skips it), so weight decay and momentum still apply to it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from typing import Any, Iterable
+
+import torch
+
+from ..errors import MisuseError, TierstoreValueError
+from ..store import Store
+from . import _dist
+from ._layout import Layout
+from .config import OffloadConfig
+from .hooks import ParamCoordinator
+from .pipeline import StepPipeline
+
+log = logging.getLogger("tierstore.zero")
+
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Rprop", "ASGD")
+STATE_FORMAT = "tierstore.zero.optimizer/1"
+
+
+def _check_elementwise(cls, elementwise_ok: bool) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TierstoreValueError(f"optimizer_class={cls!r} must be a torch.optim.Optimizer subclass, e.g. "
+                                  f"torch.optim.AdamW (the class, not an instance)")
+    ok = cls.__module__.startswith("torch.optim") and cls.__name__ in ELEMENTWISE
+    if not ok and not elementwise_ok:
+        raise TierstoreValueError(
+            f"{cls.__module__}.{cls.__name__} is not a known elementwise optimizer; Zero3Optimizer steps flat "
+            f"shards of many parameters at once, which is only the same optimizer when the update is "
+            f"elementwise. Supported: torch.optim.{', torch.optim.'.join(ELEMENTWISE)}. If yours is elementwise "
+            f"(no per-tensor norms, factored or matrix states), pass elementwise_ok=True")
+
+
+class _LossScaler:
+    """fp16 dynamic loss scaling: halve on overflow (and skip the step), double after `window` good steps."""
+
+    def __init__(self, enabled: bool, scale: float, window: int, min_scale: float):
+        self.enabled = enabled
+        self.scale = scale if enabled else 1.0
+        self.window = window
+        self.min_scale = min_scale
+        self.good = 0
+        self.skipped = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale = max(self.scale / 2, self.min_scale)
+            self.good = 0
+            self.skipped += 1
+            log.info("fp16 overflow: step skipped, loss scale now %g", self.scale)
+        else:
+            self.good += 1
+            if self.good >= self.window:
+                self.scale *= 2
+                self.good = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good": self.good, "skipped": self.skipped}
+
+    def load_state_dict(self, d: dict) -> None:
+        if self.enabled:
+            self.scale, self.good, self.skipped = d["scale"], d["good"], d["skipped"]
+
+
+class Zero3Optimizer(torch.optim.Optimizer):
+    """ZeRO-3 over a torch optimizer class. See [Note: thin wrapper over an elementwise optimizer].
+
+    model: the nn.Module (its parameters are partitioned and hooked; tied parameters once).
+    optimizer_class: e.g. torch.optim.AdamW; `**optimizer_kwargs` go to it (lr, betas, weight_decay ...).
+    param_groups: optional [{"params": [names or parameters], **overrides}, ...]; trainable parameters not
+        listed join the first group. Frozen parameters (requires_grad=False) are partitioned, never stepped.
+    config: OffloadConfig (default: params on the device tier, states and gradients on host).
+    process_group: the data-parallel group (default: the whole world when torch.distributed is initialised).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer_class, *, config: OffloadConfig | None = None,
+                 param_groups: list[dict] | None = None, process_group=None, elementwise_ok: bool = False,
+                 **optimizer_kwargs):
+        if not isinstance(model, torch.nn.Module):
+            raise TierstoreValueError(f"model must be the nn.Module to partition; got {type(model).__name__}. "
+                                      f"Zero3Optimizer needs the module to install its gather/release hooks")
+        _check_elementwise(optimizer_class, elementwise_ok)
+        self.config = config = config if config is not None else OffloadConfig()
+        self.model = model
+        self.group = process_group
+        self.world_size, self.rank = _dist.world_and_rank(process_group)
+        self.optimizer_class = optimizer_class
+        self.optimizer_kwargs = dict(optimizer_kwargs)
+        cdt = config.compute_dtype
+        # -- parameters: canonical names (tied once), values, compute dtype ------------------------------
+        self._params: dict[str, torch.nn.Parameter] = {}
+        self._aliases: dict[str, str] = {}  # every name in model.named_parameters(remove_duplicate=False)
+        by_id: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in by_id:
+                self._aliases[name] = by_id[id(p)]
+                continue
+            by_id[id(p)] = name
+            self._aliases[name] = name
+            self._params[name] = p
+        if not self._params:
+            raise TierstoreValueError("the model has no parameters to optimize")
+        devices = {p.device for p in self._params.values() if p.device.type != "meta"}
+        self.device = next(iter(devices)) if devices else torch.device("cpu")
+        shapes = {}
+        for name, p in self._params.items():
+            handle = getattr(p, "_tierstore_init", None)
+            shape = tuple(handle.shape) if handle is not None else tuple(p.shape)
+            if not (p.dtype.is_floating_point or handle is not None):
+                raise TierstoreValueError(f"parameter {name!r} has dtype {p.dtype}; ZeRO-3 manages floating-point "
+                                          f"parameters only")
+            shapes[name] = shape
+        groups = self._normalise_groups(param_groups, by_id)
+        self.layout = Layout([(n, shapes[n], cdt, p.requires_grad) for n, p in self._params.items()], groups,
+                             self.world_size, min_io_bytes=config.min_io_bytes, bucket_bytes=config.sub_group_bytes)
+        for n, b in model.named_buffers():
+            if b.is_floating_point() and b.dtype != cdt:
+                b.data = b.data.to(cdt)
+        # -- the store --------------------------------------------------------------------------------
+        self._tmpdir = None
+        if config.nvme_paths:
+            paths = [os.path.join(p, f"rank{self.rank}") for p in config.nvme_paths]
+        else:
+            self._tmpdir = tempfile.mkdtemp(prefix="tierstore-zero-")
+            paths = [self._tmpdir]
+        tiers = {config.params, config.optimizer_states, config.gradients}
+        for p in paths:  # a previous run's states are not this run's: start empty (checkpoints live elsewhere)
+            for leftover in ("manifest.json", "manifest.json.tmp"):
+                if os.path.exists(os.path.join(p, leftover)):
+                    os.unlink(os.path.join(p, leftover))
+        self.store = Store(paths, device_budget=None if "device" in tiers else 0,
+                           host_budget=None if "host" in tiers else 0, pinned_budget=config.pinned_bytes,
+                           device=self.device)
+        self._codecs: dict[tuple[int, str], Any] = {}
+        self._policy = None
+        if config.state_codec == "dynamic8":
+            from ..quant.states import StatePolicy
+            self._policy = StatePolicy.make()
+        # -- shards -----------------------------------------------------------------------------------
+        self._fill_shards()
+        # -- inner optimizer over placeholders --------------------------------------------------------
+        self._placeholder: dict[int, torch.Tensor] = {}
+        inner_groups = []
+        self._gid_group: dict[int, int] = {}
+        for gl in self.layout.groups:
+            if not gl.trainable:
+                continue
+            phs = []
+            for gid in gl.gids:
+                ph = torch.empty(0, dtype=torch.float32, device=self.device)
+                self._placeholder[gid] = ph
+                self._gid_group[gid] = gl.index
+                phs.append(ph)
+            inner_groups.append({"params": phs, **gl.options})
+        self.inner = optimizer_class(inner_groups, **optimizer_kwargs)
+        self.inner.state.clear()  # eager states of 0-element placeholders; real ones come from _templates
+        self._templates = [self._state_template(optimizer_class, g, optimizer_kwargs) for g in inner_groups]
+        super().__init__(self.inner.param_groups, self.inner.defaults)
+        self.param_groups = self.inner.param_groups  # the same dicts: LR schedulers drive the inner optimizer
+        self._state_keys: dict[int, list[str]] = {}
+        self._aux: dict[int, dict] = {}
+        self._grad_stats: dict[int, tuple[float, bool]] = {}  # gid -> (sum of squares, all finite)
+        self._clip_coef = 1.0
+        self._scaler = _LossScaler(cdt == torch.float16, config.initial_loss_scale, config.loss_scale_window,
+                                   config.min_loss_scale)
+        self._pipeline = StepPipeline(config.pipeline_depth)
+        self.steps = 0
+        self.coordinator = ParamCoordinator(
+            model, self.layout, self._params, self._fetch_param_shard, self._accumulate_grad, device=self.device,
+            group=process_group, quantized_weights=config.quantized_weights and self.world_size > 1,
+            quantized_gradients=config.quantized_gradients and self.world_size > 1,
+            intra_node_size=config.intra_node_size, prefetch_depth=config.prefetch_depth)
+        for gid in range(len(self.layout.subgroups)):
+            self.coordinator.release(gid)
+        for name, p in self._params.items():
+            p.data = self.coordinator.empty(cdt)
+            if hasattr(p, "_tierstore_init"):
+                p._tierstore_init.discard()
+                del p._tierstore_init
+
+    # -- construction helpers ---------------------------------------------------------------------------
+    def _normalise_groups(self, param_groups, by_id) -> list[tuple[list[str], dict]]:
+        if param_groups is None:
+            return [([], {})]
+        if not isinstance(param_groups, (list, tuple)) or not param_groups:
+            raise TierstoreValueError("param_groups must be a non-empty list of dicts with a 'params' key")
+        out = []
+        for i, g in enumerate(param_groups):
+            if not isinstance(g, dict) or "params" not in g:
+                raise TierstoreValueError(f"param_groups[{i}] must be a dict with a 'params' key")
+            names = []
+            for p in g["params"]:
+                if isinstance(p, str):
+                    names.append(self._aliases.get(p, p))
+                elif isinstance(p, torch.Tensor) and id(p) in by_id:
+                    names.append(by_id[id(p)])
+                else:
+                    raise TierstoreValueError(f"param_groups[{i}]['params'] holds {type(p).__name__}; give "
+                                              f"parameter names or the model's parameters")
+            out.append((names, {k: v for k, v in g.items() if k != "params"}))
+        return out
+
+    @staticmethod
+    def _state_template(cls, group: dict, kwargs: dict) -> dict:
+        """What the inner optimizer puts in a fresh parameter's state at construction (Adagrad's sum), learnt
+        on a 1-element tensor: 1-element tensors become fill values, 0-d tensors and others are copied."""
+        probe = torch.zeros(1)
+        opts = {k: v for k, v in group.items() if k != "params"}
+        tmp = cls([{"params": [probe], **opts}], **kwargs)
+        return dict(tmp.state.get(probe, {}))
+
+    def _value_of(self, name: str) -> torch.Tensor:
+        p = self._params[name]
+        handle = getattr(p, "_tierstore_init", None)
+        if handle is not None:
+            return handle.load().to(self.device, torch.float32)
+        return p.detach().to(torch.float32)
+
+    def _fill_shards(self) -> None:
+        cfg = self.config
+        for gl in self.layout.groups:
+            for bi, b in enumerate(gl.plan.buckets):
+                gid = gl.gids[bi]
+                values = {pc.name: self._value_of(pc.name) for pc in b.pieces}
+                master = torch.zeros(b.shard_numel, dtype=torch.float32, device=self.device)
+                lo, hi = b.shard_slice(self.rank).start, b.shard_slice(self.rank).stop
+                for pc, start, stop in b.overlapping(lo, hi):
+                    at = pc.param_offset + start - pc.offset
+                    master[start - lo:stop - lo].copy_(values[pc.name].reshape(-1)[at:at + stop - start])
+                del values
+                self.store.put(f"p{gid}", master.to(cfg.compute_dtype), tier=cfg.params)
+                if gl.trainable:
+                    self.store.put(f"m{gid}", master, tier=cfg.optimizer_states)
+
+    # -- store access --------------------------------------------------------------------------------------
+    def _fetch_param_shard(self, gid: int) -> torch.Tensor:
+        return self.store.get(f"p{gid}")
+
+    def _accumulate_grad(self, gid: int, shard: torch.Tensor) -> None:
+        name = f"g{gid}"
+        if gid in self._grad_stats and name in self.store:
+            shard = self.store.get(name).add_(shard)
+        self.store.put(name, shard, tier=self.config.gradients)
+        sq = float(torch.linalg.vector_norm(shard, dtype=torch.float64) ** 2)
+        self._grad_stats[gid] = (sq, math.isfinite(sq))
+
+    def _codec(self, gid: int, key: str, t: torch.Tensor):
+        if self._policy is None or self.config.optimizer_states != "nvme" or t.dim() != 1:
+            return None
+        k = (gid, key)
+        if k not in self._codecs:
+            self._codecs[k] = self._policy.codec_for(key, t)
+        return self._codecs[k]
+
+    # -- the step ------------------------------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the fp16 loss scale (1 unless compute_dtype is float16): call backward on this."""
+        return loss * self._scaler.scale if self._scaler.enabled else loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """scale_loss(loss).backward()."""
+        self.scale_loss(loss).backward()
+
+    @property
+    def loss_scale(self) -> float:
+        return self._scaler.scale
+
+    def _global_grad_stats(self) -> tuple[float, bool]:
+        sq = sum(s for s, _f in self._grad_stats.values())
+        bad = sum(0 if f else 1 for _s, f in self._grad_stats.values())
+        t = torch.tensor([sq if math.isfinite(sq) else 0.0, float(bad)], dtype=torch.float64)
+        _dist.all_reduce_sum(t, self.group)
+        return float(t[0]), bool(t[1] > 0)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients (all ranks, all sub-groups) to global L2 norm `max_norm` at the next step();
+        returns the total norm before clipping (unscaled), like torch.nn.utils.clip_grad_norm_."""
+        if norm_type != 2.0:
+            raise TierstoreValueError(f"norm_type={norm_type}: only the L2 norm (2.0) is supported")
+        sq, overflow = self._global_grad_stats()
+        total = math.sqrt(sq) / self._scaler.scale
+        if overflow:
+            total = float("inf")
+        self._clip_coef = min(1.0, max_norm / (total + 1e-6)) if math.isfinite(total) else 1.0
+        return torch.tensor(total)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._grad_stats:  # no backward since zero_grad(): like torch, nothing to do
+            return loss
+        if self._scaler.enabled:
+            _sq, overflow = self._global_grad_stats()
+            if overflow:
+                self._scaler.update(True)
+                self._clip_coef = 1.0
+                self.zero_grad()
+                return loss
+        coef = self._clip_coef / self._scaler.scale
+        self._pipeline.run(self.layout.trainable_gids(), self._load_subgroup,
+                           lambda gid, t: self._step_subgroup(gid, t, coef), self._save_subgroup)
+        self._scaler.update(False)
+        self._clip_coef = 1.0
+        self.steps += 1
+        return loss
+
+    def _load_subgroup(self, gid: int) -> dict[str, torch.Tensor]:
+        keys = self._state_keys.get(gid, [])
+        names = [f"m{gid}", f"g{gid}"] + [f"s{gid}.{k}" for k in keys]
+        got = self.store.get_many(names, device=self.device)
+        out = {"master": got[f"m{gid}"], "grad": got[f"g{gid}"]}
+        out["state"] = {k: got[f"s{gid}.{k}"] for k in keys}
+        return out
+
+    def _step_subgroup(self, gid: int, t: dict, coef: float):
+        ph = self._placeholder[gid]
+        ph.data = t["master"]
+        grad = t["grad"]
+        if coef != 1.0:
+            grad.mul_(coef)
+        ph.grad = grad
+        state = dict(t["state"])
+        state.update(self._aux.get(gid, {}))
+        if not state:
+            n = t["master"].numel()
+            for k, v in self._templates[self._gid_group[gid]].items():
+                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == 1:
+                    state[k] = torch.full((n,), float(v[0]), dtype=v.dtype, device=self.device)
+                elif isinstance(v, torch.Tensor):
+                    state[k] = v.clone()
+                else:
+                    state[k] = v
+        if state:
+            self.inner.state[ph] = state
+        try:
+            self.inner.step()
+        finally:
+            new_state = self.inner.state.pop(ph, {})
+            master = ph.data
+            ph.data = torch.empty(0, dtype=torch.float32, device=self.device)
+            ph.grad = None
+        return master, new_state
+
+    def _save_subgroup(self, gid: int, result) -> None:
+        master, state = result
+        cfg = self.config
+        self.store.put(f"m{gid}", master, tier=cfg.optimizer_states)
+        self.store.put(f"p{gid}", master.to(cfg.compute_dtype), tier=cfg.params)
+        keys, aux = [], {}
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                self.store.put(f"s{gid}.{k}", v, tier=cfg.optimizer_states, codec=self._codec(gid, k, v))
+                keys.append(k)
+            else:
+                aux[k] = v
+        self._state_keys[gid] = keys
+        self._aux[gid] = aux
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the accumulated gradient partitions (and any full .grad left on the model)."""
+        for gid in list(self._grad_stats):
+            if f"g{gid}" in self.store:
+                self.store.delete(f"g{gid}")
+        self._grad_stats.clear()
+        self._clip_coef = 1.0
+        for p in self._params.values():
+            p.grad = None
+
+    # -- full parameters ---------------------------------------------------------------------------------
+    @contextmanager
+    def gathered(self):
+        """`with opt.gathered():` every parameter of the model holds its full value (collective: every
+        rank enters). Changes made inside are not written back; use for evaluation or export."""
+        self.coordinator.gather(range(len(self.layout.subgroups)))
+        try:
+            yield self.model
+        finally:
+            self.coordinator.release_all()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """name -> full parameter value (compute dtype, a copy), every name of model.named_parameters()
+        including tied aliases, plus the model's buffers. Collective."""
+        with self.gathered():
+            vals = {n: p.detach().clone() for n, p in self._params.items()}
+        out = {alias: vals[canon] for alias, canon in self._aliases.items()}
+        for n, b in self.model.named_buffers():
+            out[n] = b.detach().clone()
+        return out
+
+    # -- state dicts -------------------------------------------------------------------------------------
+    def _export_subgroup(self, gid: int) -> dict:
+        keys = self._state_keys.get(gid, [])
+        got = self.store.get_many([f"m{gid}"] + [f"s{gid}.{k}" for k in keys], device="cpu")
+        return {"master": got[f"m{gid}"], "state": {k: got[f"s{gid}.{k}"] for k in keys},
+                "aux": dict(self._aux.get(gid, {}))}
+
+    def _import_subgroup(self, gid: int, master: torch.Tensor, state: dict, aux: dict) -> None:
+        cfg = self.config
+        master = master.to(self.device, torch.float32)
+        self.store.put(f"m{gid}", master, tier=cfg.optimizer_states)
+        self.store.put(f"p{gid}", master.to(cfg.compute_dtype), tier=cfg.params)
+        for k in self._state_keys.get(gid, []):
+            if f"s{gid}.{k}" in self.store:
+                self.store.delete(f"s{gid}.{k}")
+        for k, v in state.items():
+            self.store.put(f"s{gid}.{k}", v.to(self.device), tier=cfg.optimizer_states,
+                           codec=self._codec(gid, k, v))
+        self._state_keys[gid] = list(state)
+        self._aux[gid] = dict(aux)
+
+    def _hyperparams(self) -> list[dict]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+
+    def _set_hyperparams(self, groups: list[dict]) -> None:
+        if len(groups) != len(self.param_groups):
+            raise TierstoreValueError(f"the state holds {len(groups)} parameter groups; this optimizer has "
+                                      f"{len(self.param_groups)}")
+        for g, saved in zip(self.param_groups, groups):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+
+    def state_dict(self) -> dict:
+        """This rank's state: hyperparameters, layout, and its shard of every master and state (CPU tensors).
+        Load it with load_state_dict at the same world size and rank; to change either, use
+        save_checkpoint / load_checkpoint, which reshard."""
+        return {"format": STATE_FORMAT, "world_size": self.world_size, "rank": self.rank,
+                "layout": self.layout.to_dict(), "param_groups": self._hyperparams(),
+                "subgroups": {gid: self._export_subgroup(gid) for gid in self.layout.trainable_gids()},
+                "scaler": self._scaler.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
+            raise TierstoreValueError("not a Zero3Optimizer state_dict (no 'format': "
+                                      f"{STATE_FORMAT!r}); a plain torch optimizer's state cannot be loaded here")
+        if (state_dict["world_size"], state_dict["rank"]) != (self.world_size, self.rank) or \
+                state_dict["layout"] != self.layout.to_dict():
+            raise TierstoreValueError(
+                f"this state_dict is rank {state_dict['rank']} of {state_dict['world_size']} with another layout; "
+                f"this optimizer is rank {self.rank} of {self.world_size}. Use opt.save_checkpoint(dir) / "
+                f"opt.load_checkpoint(dir), which reshard across world sizes")
+        self._set_hyperparams(state_dict["param_groups"])
+        for gid, sg in state_dict["subgroups"].items():
+            self._import_subgroup(int(gid), sg["master"], sg["state"], sg["aux"])
+        self._scaler.load_state_dict(state_dict["scaler"])
+        self.steps = state_dict.get("steps", 0)
+        self.coordinator.release_all()
+
+    # -- checkpoints (see checkpoint.py) -------------------------------------------------------------------
+    def save_checkpoint(self, directory: str | os.PathLike, **kwargs) -> str:
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self, directory, **kwargs)
+
+    def load_checkpoint(self, directory: str | os.PathLike, **kwargs) -> None:
+        from .checkpoint import load_checkpoint
+        load_checkpoint(self, directory, **kwargs)
+
+    # -- lifetime ------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove the hooks and close the store (its files stay unless they were in a temporary directory)."""
+        if getattr(self, "store", None) is None:
+            return
+        self.coordinator.remove()
+        self._pipeline.close()
+        self.store.close(flush=False)
+        self.store = None
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def __repr__(self) -> str:
+        return (f"Zero3Optimizer({self.optimizer_class.__name__}, rank {self.rank}/{self.world_size}, "
+                f"{len(self.layout.subgroups)} sub-groups, params={self.config.params}, "
+                f"states={self.config.optimizer_states}, grads={self.config.gradients})")
