@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
 import logging
 import os
 import threading
@@ -43,6 +44,7 @@ from .base import Budget, TierStats, profile_range
 log = logging.getLogger("tierstore.tiers")
 
 EXTENT_FILE = "extents-{:04d}.bin"
+PREALLOC_FROM = 32 << 20  # bytes: extent files are preallocated beyond this size (see _preallocate)
 
 
 def align_up(n: int) -> int:
@@ -229,6 +231,8 @@ class NvmeTier:
         self._pending_free: list[Extent] = []  # committed extents freed since the last commit
         self._dirty_files: set[int] = set()
         self._dirs_unsynced = False
+        self._prealloc: dict[int, int] = {}  # extent file -> logical bytes reserved with fallocate
+        self._prealloc_ok = True
         self.closed = False
         self._open_existing()
 
@@ -269,7 +273,39 @@ class NvmeTier:
             self._charge(nbytes)
         f, off = self.alloc.alloc(nbytes)
         self._file(f)
+        self._preallocate(f, off + nbytes)
         return f, off
+
+    def _preallocate(self, f: int, end: int) -> None:
+        """Make sure extent file `f` has disk space reserved up to logical byte `end` (lock held).
+
+        [Note: extent files are preallocated ahead of the writes]
+        An O_DIRECT write past the end of an ext4 file has to change the file's size, and ext4 does such
+        writes one at a time instead of overlapping them: streaming 4 MiB requests into a growing file
+        ran at half the speed of the same requests into preallocated space (measured, 8 x 64 MiB). So the
+        space of each extent file is reserved with fallocate() ahead of use once the file passes
+        PREALLOC_FROM (small stores stay as small on disk as their data), growing geometrically (the size
+        so far, at most 1 GiB at a time). Best effort: where fallocate is not supported or the disk is too
+        full for a step, only what is needed is asked for, then nothing, and the write itself reports a
+        full disk as before. Reserved space no manifest names is free space, so this changes nothing for
+        crash safety; the fsync in sync() covers the new size."""
+        have = self._prealloc.get(f, 0)  # bytes, logical
+        if end <= have or end <= PREALLOC_FROM or not self._prealloc_ok:
+            return
+        step = min(end, 1 << 30)
+        sf = self.files[f]
+        for target in (max(end, min(end + step, self.alloc.file_bytes)), end):
+            try:
+                for part, start, stop in _part_ranges(sf, have, target):
+                    _fallocate(part.fd, start, stop - start)
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    self._prealloc_ok = False
+                    return
+                continue  # ENOSPC and the like: try a smaller step, then leave it to the write
+            self._prealloc[f] = target
+            self._dirty_files.add(f)
+            return
 
     def _release(self, f: int, off: int, nbytes: int, account: bool = True) -> None:
         self.alloc.free(f, off, nbytes)
@@ -729,6 +765,29 @@ class NvmeTier:
         self.closed = True
         for sf in self.files:
             self.engine.close_file(sf)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def _fallocate(fd: int, offset: int, length: int) -> None:
+    """Reserve [offset, offset + length) of a file (mode 0: the file grows). OSError on failure."""
+    if length > 0 and _libc.fallocate(fd, 0, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _part_ranges(sf: StripedFile, start: int, stop: int):
+    """(part, physical start, physical stop) covering logical bytes [start, stop) of striped file `sf`,
+    whole stripes each (one range per part)."""
+    su, n = sf.stripe_unit, len(sf.parts)
+    first, last = start // su, (stop + su - 1) // su  # stripes [first, last)
+    for k, part in enumerate(sf.parts):
+        lo = (first - k + n - 1) // n if first > k else 0  # first stripe index on part k at or after `first`
+        hi = (last - k + n - 1) // n if last > k else 0
+        if hi > lo:
+            yield part, lo * su, hi * su
 
 
 def fsync_dir(path: str) -> None:
