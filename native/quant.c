@@ -9,7 +9,8 @@
  * Arithmetic is written so that the torch reference in tierstore/quant reproduces it bit for bit:
  *   linear int8:  inv = 127.0f / absmax; q = rint(x * inv) in [-127, 127];  x^ = q * (absmax / 127.0f)
  *   linear int4:  inv =   7.0f / absmax; q = rint(x * inv) in [-7, 7], stored q + 8; x^ = q * (absmax / 7.0f)
- *   dynamic 8-bit: inv = 1.0f / absmax; r = |x| * inv; code = lut[bucket(r)] + (mids[lut[...]] < r)
+ *   dynamic 8-bit: inv = 1.0f / absmax; r = |x| * inv; code = number of code boundaries (mids) below r, found
+ *                  with one lookup of a packed LUT entry and one integer comparison
  *                  (count of midpoints strictly below r: ties go to the smaller magnitude);  x^ = values[code] * absmax
  *                  (scheme 4, bounded rounding: the same with other boundaries in `mids`)
  * rint is round-half-to-even (the default rounding mode); no expression is contracted into an FMA (pragma below),
@@ -23,6 +24,7 @@
 #include <Python.h> /* only for the empty module init at the bottom */
 
 #include <errno.h>
+#include <immintrin.h> /* _mm_sqrt_ps (SSE, baseline x86-64) */
 #include <float.h>
 #include <math.h>
 #include <pthread.h>
@@ -51,8 +53,9 @@ typedef struct {
     void *x;             /* n elements of dtype */
     uint8_t *codes;      /* n bytes (int4: (n + 1) / 2 bytes) */
     float *absmax;       /* ceil(n / block) floats */
-    const float *mids;   /* dynamic: sorted code boundaries (midpoints for nearest rounding), last = +inf */
-    const int32_t *lut;  /* dynamic: bucket -> magnitude code */
+    const float *mids;   /* dynamic: sorted code boundaries (midpoints for nearest rounding), last = +inf; the
+                          * kernels read only lut (which encodes them), the field keeps the layout */
+    const int32_t *lut;  /* dynamic: bucket -> codes below << 16 | boundary's low bits ([Note: two-level LUT]) */
     const float *values; /* dynamic: code (0..255, full byte) -> value in [-1, 1] */
     int32_t lut_shift;   /* bucket = (bits(r) >> lut_shift) - lut_base, clamped to [0, lut_size) */
     int32_t lut_base;
@@ -111,32 +114,18 @@ CLONES static void from_f32(const float *src, int dtype, int64_t len, void *dst)
 
 /* ---- per-block kernels ------------------------------------------------------------------------ */
 
-/* absmax of a block; *bad set when it holds NaN or Inf. 16 independent lanes so it vectorises without
- * -ffast-math (max is exact, so the lane split does not change the result). */
-CLONES static float block_absmax(const float *x, int64_t len, int *bad)
+/* absmax of a block; *bad set when it holds NaN or Inf. On the bit patterns: for |x| (sign bit cleared) the
+ * unsigned integer order is the float order, with Inf and NaN above every finite value, so an integer max
+ * (which vectorises without -ffast-math) gives the exact float max and flags NaN/Inf at once. */
+CLONES static float block_absmax(const float *restrict x, int64_t len, int *bad)
 {
-    float acc[16] = {0};
-    int32_t nf[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= len; i += 16)
-        for (int j = 0; j < 16; j++) {
-            float a = fabsf(x[i + j]);
-            acc[j] = a > acc[j] ? a : acc[j];
-            nf[j] |= !(a <= FLT_MAX);
-        }
-    for (; i < len; i++) {
-        float a = fabsf(x[i]);
-        acc[0] = a > acc[0] ? a : acc[0];
-        nf[0] |= !(a <= FLT_MAX);
+    uint32_t m = 0;
+    for (int64_t i = 0; i < len; i++) {
+        uint32_t a = f2u(x[i]) & 0x7FFFFFFFu; /* bit cast through a union: no strict-aliasing question */
+        m = a > m ? a : m;
     }
-    float m = 0.0f;
-    int b = 0;
-    for (int j = 0; j < 16; j++) {
-        m = acc[j] > m ? acc[j] : m;
-        b |= nf[j];
-    }
-    *bad = b;
-    return m;
+    *bad = m >= 0x7F800000u;
+    return u2f(m);
 }
 
 CLONES static void q_int8(const float *x, int64_t len, float inv, uint8_t *out)
@@ -165,29 +154,35 @@ CLONES static void q_int4(const float *x, int64_t len, float inv, uint8_t *out)
     }
 }
 
-/* Dynamic map, one block. lut is int32 (not uint8) so that AVX2/AVX-512 clones can gather from it. */
-CLONES static void q_dyn_signed(const int32_t *restrict lut, const float *restrict mids, int32_t shift, int32_t base, int32_t top,
+/* Dynamic map, one block. lut is int32 (not uint8) so that AVX2/AVX-512 clones can gather from it; each entry
+ * is (codes below the bucket) << 16 | (low 15 bits of the boundary inside it, 0x7FFF if none): [Note: two-level
+ * LUT] in quant/dynamic.py. One gather per element. */
+static inline int32_t dyn_code(const int32_t *restrict lut, int32_t shift, int32_t base, int32_t top, float r)
+{
+    uint32_t u = f2u(r);
+    int32_t b = imin(imax((int32_t)(u >> shift) - base, 0), top); /* clamp: see the LUT note */
+    int32_t e = lut[b];
+    return (e >> 16) + (int32_t)((int32_t)(u & ((1u << shift) - 1u)) > (e & 0xFFFF));
+}
+
+CLONES static void q_dyn_signed(const int32_t *restrict lut, int32_t shift, int32_t base, int32_t top,
                                 const float *restrict x, int64_t len, float inv, uint8_t *restrict out)
 {
     for (int64_t i = 0; i < len; i++) {
         float r = fabsf(x[i]) * inv;
-        int32_t b = imin(imax((int32_t)(f2u(r) >> shift) - base, 0), top); /* clamp: see the LUT note */
-        int32_t c = lut[b];
-        c += (int32_t)(mids[c] < r);
+        int32_t c = dyn_code(lut, shift, base, top, r);
         /* sign bit only on nonzero magnitudes: -0.0 never gets its own code */
         c |= ((c != 0) & (x[i] < 0.0f)) << 7;
         out[i] = (uint8_t)c;
     }
 }
 
-CLONES static void q_dyn_unsigned(const int32_t *restrict lut, const float *restrict mids, int32_t shift, int32_t base, int32_t top,
+CLONES static void q_dyn_unsigned(const int32_t *restrict lut, int32_t shift, int32_t base, int32_t top,
                                   const float *restrict x, int64_t len, float inv, uint8_t *restrict out)
 {
     for (int64_t i = 0; i < len; i++) {
         float r = fabsf(x[i]) * inv;
-        int32_t b = imin(imax((int32_t)(f2u(r) >> shift) - base, 0), top); /* clamp: see the LUT note */
-        int32_t c = lut[b];
-        c += (int32_t)(mids[c] < r);
+        int32_t c = dyn_code(lut, shift, base, top, r);
         /* [Note: zero-point] in quant/dynamic.py: a nonzero second moment never maps to code 0 */
         c += (c == 0) & (r > 0.0f);
         out[i] = (uint8_t)c;
@@ -211,7 +206,8 @@ CLONES static void dq_int4(const uint8_t *c, int64_t len, float s, float *out)
         out[len - 1] = (float)((int32_t)(c[pairs] & 15u) - 8) * s;
 }
 
-CLONES static void dq_dyn(const float *values, const uint8_t *c, int64_t len, float a, float *out)
+CLONES static void dq_dyn(const float *restrict values, const uint8_t *restrict c, int64_t len, float a,
+                          float *restrict out)
 {
     for (int64_t i = 0; i < len; i++)
         out[i] = values[c[i]] * a;
@@ -256,11 +252,11 @@ static void run_part(tsq_part *p)
                 q_int4(xf, len, a > 0.0f ? 7.0f / a : 0.0f, cb);
                 break;
             case TSQ_DYN_SIGNED:
-                q_dyn_signed(j->lut, j->mids, j->lut_shift, j->lut_base, j->lut_size - 1, xf, len,
+                q_dyn_signed(j->lut, j->lut_shift, j->lut_base, j->lut_size - 1, xf, len,
                              a > 0.0f ? 1.0f / a : 0.0f, cb);
                 break;
             default:
-                q_dyn_unsigned(j->lut, j->mids, j->lut_shift, j->lut_base, j->lut_size - 1, xf, len,
+                q_dyn_unsigned(j->lut, j->lut_shift, j->lut_base, j->lut_size - 1, xf, len,
                                a > 0.0f ? 1.0f / a : 0.0f, cb);
             }
         } else {
@@ -316,6 +312,176 @@ static int run(const tsq_job *j, int quantize)
             pthread_join(tids[i], NULL);
         else
             run_part(&parts[i]); /* could not start a thread: do its share here */
+        bad += parts[i].bad;
+    }
+    return bad;
+}
+
+/* ---- fused 8-bit-state AdamW step ------------------------------------------------------------ *
+ * [Note: fused 8-bit step] in quant/states.py. Per block: decode m (signed map) and v (unsigned map) into
+ * fp32 scratch, run the AdamW update on param, m and v (torch's fused CPU AdamW arithmetic, element by element,
+ * in the order of its scalar path), then take the new absmax of m and v and encode them. One pass over memory:
+ * the fp32 states never leave the block's scratch. Threads take whole blocks, so the bytes do not depend on
+ * the thread count; no FMA contraction (pragma at the top), so every clone gives the same bytes. */
+
+/* Mirrored by ctypes in tierstore/quant/_native.py; keep the field order. */
+typedef struct {
+    int64_t n;           /* elements */
+    int64_t block;       /* elements per block, even, <= TSQ_MAX_BLOCK */
+    float *param;        /* n fp32, updated in place */
+    const float *grad;   /* n fp32 */
+    uint8_t *m_codes;    /* n bytes, signed map */
+    float *m_absmax;     /* ceil(n / block) */
+    uint8_t *v_codes;    /* n bytes, unsigned map */
+    float *v_absmax;
+    const float *m_mids, *m_values; const int32_t *m_lut;
+    const float *v_mids, *v_values; const int32_t *v_lut;
+    int32_t lut_shift, m_lut_base, m_lut_size, v_lut_base, v_lut_size;
+    int32_t maximize;    /* 1: gradient ascent */
+    int32_t lerp_small;  /* |1 - beta1| < 0.5: m += w * (g - m); else m = g - (g - m) * (1 - w), as torch */
+    float decay;         /* 1 - lr * weight_decay (decoupled weight decay), rounded to fp32 */
+    float w1;            /* 1 - beta1 */
+    float one_minus_w1;  /* fp32(1) - fp32(w1), as torch computes it */
+    float beta2, w2;     /* beta2 and 1 - beta2 */
+    float bc2_sqrt;      /* sqrt(1 - beta2^t) */
+    float eps;
+    float step_size;     /* lr / (1 - beta1^t) */
+    int32_t nthreads;
+} tsq_adamw_job;
+
+/* Correctly rounded square roots of a block. With errno semantics (the default; setup.py sets no -fno-math-errno
+ * and an optimize pragma does not reach the builtin), gcc will not vectorise sqrtf, so this uses SSE sqrtps,
+ * part of baseline x86-64 and IEEE-exact like sqrtf: every clone gives the same bits. */
+CLONES static void block_sqrt(const float *restrict x, int64_t len, float *restrict out)
+{
+    int64_t i = 0;
+    for (; i + 4 <= len; i += 4)
+        _mm_storeu_ps(out + i, _mm_sqrt_ps(_mm_loadu_ps(x + i)));
+    for (; i < len; i++)
+        out[i] = sqrtf(x[i]);
+}
+
+/* One block, in three loops: (1) adamw_update: decode m and v, update p, m and v, and take the new absmaxes
+ * (integer max on the bit patterns, as block_absmax); (2) block_sqrt; (3) adamw_finish: finish p and encode m
+ * and v with the new absmaxes. (1) and (3) vectorise (every array is a restrict parameter: gcc does not trust
+ * restrict on locals); the fp32 m and v live only in the caller's stack scratch. */
+CLONES static void adamw_update(const tsq_adamw_job *j, int64_t len, float *restrict p, const float *restrict g,
+                                const uint8_t *restrict mc, const uint8_t *restrict vc,
+                                const float *restrict mvals, const float *restrict vvals, float am_old, float av_old,
+                                float *restrict m, float *restrict v, uint32_t *mmax_out, uint32_t *vmax_out)
+{
+    const float decay = j->decay, w1 = j->w1, omw1 = j->one_minus_w1, beta2 = j->beta2, w2 = j->w2;
+    const float sign = j->maximize ? -1.0f : 1.0f;
+    const int lerp_small = j->lerp_small;
+    uint32_t mmax = 0, vmax = 0;
+    for (int64_t i = 0; i < len; i++) {
+        float mi = mvals[mc[i]] * am_old; /* = dq_dyn */
+        float vi = vvals[vc[i]] * av_old;
+        float gi = g[i] * sign;
+        p[i] = p[i] * decay;                                   /* decoupled weight decay, before the update */
+        mi = lerp_small ? mi + w1 * (gi - mi) : gi - (gi - mi) * omw1; /* torch: exp_avg.lerp_(grad, 1 - beta1) */
+        vi = vi * beta2;
+        vi = vi + w2 * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        uint32_t ma = f2u(mi) & 0x7FFFFFFFu, va = f2u(vi) & 0x7FFFFFFFu;
+        mmax = ma > mmax ? ma : mmax;
+        vmax = va > vmax ? va : vmax;
+    }
+    *mmax_out = mmax;
+    *vmax_out = vmax;
+}
+
+CLONES static void adamw_finish(const tsq_adamw_job *j, int64_t len, float *restrict p, const float *restrict m,
+                                const float *restrict v, const float *restrict sq, const int32_t *restrict mlut,
+                                const int32_t *restrict vlut, float minv, float vinv, uint8_t *restrict mc,
+                                uint8_t *restrict vc)
+{
+    const float bc2 = j->bc2_sqrt, eps = j->eps, ss = j->step_size;
+    const int32_t shift = j->lut_shift;
+    const int32_t mbase = j->m_lut_base, mtop = j->m_lut_size - 1, vbase = j->v_lut_base, vtop = j->v_lut_size - 1;
+    for (int64_t i = 0; i < len; i++) {
+        float denom = sq[i] / bc2 + eps;                       /* eps after the bias-corrected sqrt, as torch */
+        p[i] = p[i] - ss * m[i] / denom;
+        /* = q_dyn_signed / q_dyn_unsigned */
+        int32_t c = dyn_code(mlut, shift, mbase, mtop, fabsf(m[i]) * minv);
+        c |= ((c != 0) & (m[i] < 0.0f)) << 7;
+        mc[i] = (uint8_t)c;
+        float r = fabsf(v[i]) * vinv;
+        int32_t d = dyn_code(vlut, shift, vbase, vtop, r);
+        d += (d == 0) & (r > 0.0f);
+        vc[i] = (uint8_t)d;
+    }
+}
+
+/* Returns whether the new m or v of block b holds NaN/Inf. */
+static int adamw_block(const tsq_adamw_job *j, int64_t b, int64_t len, float *m, float *v, float *sq)
+{
+    const int64_t start = b * j->block;
+    uint32_t mmax, vmax;
+    adamw_update(j, len, j->param + start, j->grad + start, j->m_codes + start, j->v_codes + start, j->m_values,
+                 j->v_values, j->m_absmax[b], j->v_absmax[b], m, v, &mmax, &vmax);
+    block_sqrt(v, len, sq);
+    const float am = u2f(mmax), av = u2f(vmax);
+    adamw_finish(j, len, j->param + start, m, v, sq, j->m_lut, j->v_lut, am > 0.0f ? 1.0f / am : 0.0f,
+                 av > 0.0f ? 1.0f / av : 0.0f, j->m_codes + start, j->v_codes + start);
+    j->m_absmax[b] = am;
+    j->v_absmax[b] = av;
+    return mmax >= 0x7F800000u || vmax >= 0x7F800000u;
+}
+
+typedef struct {
+    const tsq_adamw_job *job;
+    int64_t b0, b1;
+    int bad;
+} tsq_adamw_part;
+
+static void adamw_part(tsq_adamw_part *pt)
+{
+    const tsq_adamw_job *j = pt->job;
+    float ms[TSQ_MAX_BLOCK] __attribute__((aligned(64)));
+    float vs[TSQ_MAX_BLOCK] __attribute__((aligned(64)));
+    float sq[TSQ_MAX_BLOCK] __attribute__((aligned(64)));
+    for (int64_t b = pt->b0; b < pt->b1; b++) {
+        int64_t start = b * j->block;
+        int64_t len = j->n - start < j->block ? j->n - start : j->block;
+        pt->bad += adamw_block(j, b, len, ms, vs, sq);
+    }
+}
+
+static void *adamw_thread(void *arg)
+{
+    adamw_part(arg);
+    return NULL;
+}
+
+/* Returns 0, the number of blocks whose new m or v holds NaN/Inf (their codes are unspecified), or -errno. */
+int tsq_adamw_step(const tsq_adamw_job *j)
+{
+    if (j->n < 0 || j->block < 2 || j->block > TSQ_MAX_BLOCK || (j->block & 1) || !j->param || !j->grad ||
+        !j->m_codes || !j->v_codes || !j->m_absmax || !j->v_absmax || !j->m_lut || !j->v_lut || !j->m_mids ||
+        !j->v_mids || !j->m_values || !j->v_values || j->m_lut_size < 1 || j->v_lut_size < 1)
+        return -EINVAL;
+    if (j->n == 0)
+        return 0;
+    int64_t nblocks = (j->n + j->block - 1) / j->block;
+    int64_t t = j->nthreads < 1 ? 1 : (j->nthreads > TSQ_MAX_THREADS ? TSQ_MAX_THREADS : j->nthreads);
+    if (t > nblocks)
+        t = nblocks;
+    tsq_adamw_part parts[TSQ_MAX_THREADS];
+    pthread_t tids[TSQ_MAX_THREADS];
+    int started[TSQ_MAX_THREADS] = {0};
+    for (int64_t i = 0; i < t; i++)
+        parts[i] = (tsq_adamw_part){.job = j, .b0 = nblocks * i / t, .b1 = nblocks * (i + 1) / t};
+    for (int64_t i = 1; i < t; i++)
+        started[i] = pthread_create(&tids[i], NULL, adamw_thread, &parts[i]) == 0;
+    adamw_part(&parts[0]);
+    int bad = parts[0].bad;
+    for (int64_t i = 1; i < t; i++) {
+        if (started[i])
+            pthread_join(tids[i], NULL);
+        else
+            adamw_part(&parts[i]);
         bad += parts[i].bad;
     }
     return bad;

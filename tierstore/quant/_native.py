@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 
 import torch
@@ -25,6 +26,22 @@ class _Job(ctypes.Structure):
     ]
 
 
+class _AdamWJob(ctypes.Structure):
+    _fields_ = [
+        ("n", ctypes.c_int64), ("block", ctypes.c_int64), ("param", ctypes.c_void_p), ("grad", ctypes.c_void_p),
+        ("m_codes", ctypes.c_void_p), ("m_absmax", ctypes.c_void_p), ("v_codes", ctypes.c_void_p),
+        ("v_absmax", ctypes.c_void_p),
+        ("m_mids", ctypes.c_void_p), ("m_values", ctypes.c_void_p), ("m_lut", ctypes.c_void_p),
+        ("v_mids", ctypes.c_void_p), ("v_values", ctypes.c_void_p), ("v_lut", ctypes.c_void_p),
+        ("lut_shift", ctypes.c_int32), ("m_lut_base", ctypes.c_int32), ("m_lut_size", ctypes.c_int32),
+        ("v_lut_base", ctypes.c_int32), ("v_lut_size", ctypes.c_int32),
+        ("maximize", ctypes.c_int32), ("lerp_small", ctypes.c_int32),
+        ("decay", ctypes.c_float), ("w1", ctypes.c_float), ("one_minus_w1", ctypes.c_float),
+        ("beta2", ctypes.c_float), ("w2", ctypes.c_float), ("bc2_sqrt", ctypes.c_float), ("eps", ctypes.c_float),
+        ("step_size", ctypes.c_float), ("nthreads", ctypes.c_int32),
+    ]
+
+
 _lib = None
 
 
@@ -40,6 +57,8 @@ def available() -> bool:
         for fn in (lib.tsq_quantize, lib.tsq_dequantize):
             fn.argtypes = [ctypes.POINTER(_Job)]
             fn.restype = ctypes.c_int
+        lib.tsq_adamw_step.argtypes = [ctypes.POINTER(_AdamWJob)]
+        lib.tsq_adamw_step.restype = ctypes.c_int
         _lib = lib
     return _lib is not False
 
@@ -80,3 +99,32 @@ def dequantize(scheme: str, codes: torch.Tensor, absmax: torch.Tensor, out: torc
                nthreads: int | None = None) -> None:
     j = _job(scheme, out, codes, absmax, block, nthreads)
     _check(_lib.tsq_dequantize(ctypes.byref(j)), "dequantize")
+
+
+def adamw_step(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, m_absmax: torch.Tensor,
+               v_codes: torch.Tensor, v_absmax: torch.Tensor, block: int, v_scheme: str, *, step: float, lr: float,
+               beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool,
+               nthreads: int | None = None) -> None:
+    """One fused AdamW step on fp32 ``param`` / ``grad`` (contiguous, n elements) with m in dyn8s and v in
+    ``v_scheme`` (dyn8u / dyn8v) codes, updated in place. ``step`` is the step number after incrementing
+    (1 on the first step). Constants are computed in double and rounded to fp32 as torch's fused kernel does."""
+    import numpy as np
+
+    n = param.numel()
+    tm, tv = build_tables(*DYNAMIC["dyn8s"]), build_tables(*DYNAMIC[v_scheme])
+    w1 = np.float32(1.0 - beta1)
+    j = _AdamWJob(
+        n=n, block=block, param=param.data_ptr(), grad=grad.data_ptr(), m_codes=m_codes.data_ptr(),
+        m_absmax=m_absmax.data_ptr(), v_codes=v_codes.data_ptr(), v_absmax=v_absmax.data_ptr(),
+        m_mids=tm.mids.ctypes.data, m_values=tm.values.ctypes.data, m_lut=tm.lut.ctypes.data,
+        v_mids=tv.mids.ctypes.data, v_values=tv.values.ctypes.data, v_lut=tv.lut.ctypes.data,
+        lut_shift=15, m_lut_base=tm.lut_base, m_lut_size=tm.lut_size, v_lut_base=tv.lut_base,
+        v_lut_size=tv.lut_size, maximize=int(bool(maximize)), lerp_small=int(abs(w1) < np.float32(0.5)),
+        decay=1.0 - lr * weight_decay, w1=float(w1), one_minus_w1=float(np.float32(1.0) - w1), beta2=beta2,
+        w2=1.0 - beta2, bc2_sqrt=math.sqrt(1.0 - beta2 ** step), eps=eps, step_size=lr / (1.0 - beta1 ** step),
+        nthreads=nthreads if nthreads is not None else default_threads(n))
+    rc = _lib.tsq_adamw_step(ctypes.byref(j))
+    if rc > 0:
+        raise TierstoreValueError(f"the AdamW step made m or v NaN or Inf in {rc} block(s) (their 8-bit codes are "
+                                  f"now unspecified); check the gradients for NaN/Inf before stepping")
+    _check(rc, "adamw_step")

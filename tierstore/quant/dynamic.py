@@ -59,13 +59,16 @@ shrinks every step: iid-gradient drift 0.029 (target 0.02) against 0.0164 here a
 Code 0 is still reached only by v == 0 (its boundary is min(mid, 0 x (1 + DELTA)) = 0).
 
 [Note: two-level LUT]
-Searching 255 midpoints per element is the slow part of encoding. The native kernel instead looks up the
-fp32 bit pattern of r: bucket = (bits(r) >> 15) - base (the exponent and the top 8 mantissa bits, i.e.
-buckets 1/256 of a binade wide), ``lut[bucket]`` = the number of midpoints below the bucket's lower end,
-and one comparison with the next midpoint finishes: code = lut[b] + (mids[lut[b]] < r). That is exact
-when no bucket holds two midpoints, which build_tables() checks (the tightest spot is the unsigned map's
-top decade: steps of 0.00703 against buckets of at most 0.0039). Values below the first bucket clamp to
-bucket 0 (below every midpoint) and values above 1 to the last bucket (above every midpoint).
+Searching 255 code boundaries per element is the slow part of encoding. The native kernel instead looks up
+the fp32 bit pattern of r: bucket = (bits(r) >> 15) - base (the exponent and the top 8 mantissa bits, i.e.
+buckets 1/256 of a binade wide). No bucket holds two boundaries (build_tables() checks it; the tightest spot
+is the unsigned map's top decade: steps of 0.00703 against buckets of at most 0.0039), so one int32 entry
+per bucket says everything: entry = below << 16 | t, ``below`` = the number of boundaries below the bucket's
+lower end, ``t`` = the low 15 bits of the boundary inside the bucket (0x7FFF when there is none). Within a
+bucket all floats share their upper 17 bits, so "boundary < r" is "low15(r) > t", and
+code = below + (low15(r) > t): one gather per element, no dependent second load. Values below the first
+bucket clamp to bucket 0, which is given no boundary (below every boundary: bounded rounding's boundary at
+0 is the zero-point rule's job), values above 1 to the last bucket (above every boundary, t = 0x7FFF).
 """
 from __future__ import annotations
 
@@ -104,7 +107,7 @@ class DynamicTables:
     values: np.ndarray  # float32[256]: byte code -> value in [-1, 1]
     mids: np.ndarray  # float32[magnitude codes]: boundary above each magnitude code (the midpoint for nearest
     #                   rounding, min(midpoint, value x (1 + BOUNDED_DELTA)) for bounded); the last is +inf
-    lut: np.ndarray  # int32[lut_size]: bucket -> magnitude code below the bucket
+    lut: np.ndarray  # int32[lut_size]: bucket -> codes below the bucket << 16 | low 15 bits of the boundary in it
     lut_base: int
     half_gap: float  # max |x - x^| / absmax for this map
     rounding: str = "nearest"
@@ -151,11 +154,16 @@ def build_tables(signed: bool, rounding: str = "nearest") -> DynamicTables:
     ok = (lut == len(mids) - 1) | (mids[nxt] >= hi)
     if not ok.all():  # pragma: no cover - a property of the construction, checked on every build
         raise AssertionError("dynamic map LUT buckets hold two midpoints; raise LUT_MANTISSA_BITS")
+    nxt_bits = mids[np.minimum(lut, len(mids) - 1)].view(np.uint32).astype(np.int64)
+    inside = (nxt_bits >> LUT_SHIFT) == base + np.arange(size)  # the next boundary lies in this bucket
+    inside[0] = False  # bucket 0 also takes every r below it: no boundary (see the note)
+    low_mask = (1 << LUT_SHIFT) - 1
+    packed = (lut.astype(np.int64) << 16) | np.where(inside, nxt_bits & low_mask, low_mask)
     # max |x - x^|: the larger side of any code's rounding interval [boundary below, boundary above]
     lower = np.concatenate([[0.0], mids64])
     upper = np.concatenate([mids64, [1.0]])
     err = float(np.maximum(mag - lower, upper - mag).max())
-    return DynamicTables(signed=signed, values=values, mids=mids, lut=lut.astype(np.int32), lut_base=base,
+    return DynamicTables(signed=signed, values=values, mids=mids, lut=packed.astype(np.int32), lut_base=base,
                          half_gap=err, rounding=rounding)
 
 

@@ -11,8 +11,27 @@ Following the 8-bit optimizers paper (Dettmers et al., 2022) as bitsandbytes and
     biases / norms are the most sensitive;
   - chosen parameters (embeddings, by the paper's "stable embedding" advice) can be kept fp32.
 
+[Note: fused 8-bit step]
+With the native library built (backend="auto"/"native"), the whole step is one call of tsq_adamw_step
+(native/quant.c): per block of 256, decode m and v into fp32 scratch on the stack, run the AdamW update, take
+the new absmaxes and encode m and v again, so each byte of state is read once and written once and the fp32
+states never reach memory; threads take whole blocks (bytes independent of the thread count). The update
+is torch's fused CPU AdamW, element by element (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, ADAMW mode;
+Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019, Algorithm 2):
+
+    p <- p * (1 - lr * wd)                         decoupled weight decay, before the update
+    m <- m + (1 - beta1) * (g - m)                 torch's lerp_(g, 1 - beta1) (weight < 0.5 branch)
+    v <- v * beta2 + (1 - beta2) * g * g
+    p <- p - step_size * m / (sqrt(v) / sqrt(1 - beta2^t) + eps),   step_size = lr / (1 - beta1^t)
+
+with eps added after the bias-corrected sqrt, as torch does (not inside the sqrt, and not eps-hat of Adam's
+paper). Constants are computed in double and rounded to fp32, as in torch. Torch's vectorised loop computes
+the lerp with a fused multiply-add; ours does not (every clone must agree), so m can differ by 1 ulp from
+torch's, which very rarely moves an 8-bit code across a boundary: the parity test bounds the effect.
+The reference path (backend="torch") is the chunked one below.
+
 [Note: 8-bit step]
-One step of a parameter: for each chunk of ``chunk`` elements (a multiple of the block size, so every chunk
+The reference path, one step of a parameter: for each chunk of ``chunk`` elements (a multiple of the block size, so every chunk
 owns whole blocks), dequantize m and v into two reused fp32 buffers, run torch's own AdamW (the fused CPU
 kernel, torch.optim.adamw.adamw(fused=True)) on the chunk, requantize m and v in place. The chunk keeps the
 fp32 buffers in cache between the three passes; nothing is allocated per step. The chunk's step counter is
@@ -27,8 +46,9 @@ import torch
 from torch.optim.adamw import adamw as _adamw
 
 from ..errors import TierstoreValueError
+from . import _native
 from .layout import DEFAULT_BLOCK, check_block_size
-from .quantized import Quantized, dequantize, empty_quantized, quantize
+from .quantized import Quantized, _use_native, dequantize, empty_quantized, quantize
 
 STATE_SCHEMES = {"exp_avg": "dyn8s", "exp_avg_sq": "dyn8v"}
 MIN_QUANT_NUMEL = 4096  # elements
@@ -99,8 +119,11 @@ def init_state(param: torch.Tensor, policy: StatePolicy, name: str | None = None
 
 def adamw_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: dict, ws: Workspace, *, lr: float,
                     beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2,
-                    maximize: bool = False) -> None:
-    """One AdamW step of ``param`` (fp32, contiguous, CPU) with states from init_state(). See [Note: 8-bit step]."""
+                    maximize: bool = False, backend: str = "auto", nthreads: int | None = None) -> None:
+    """One AdamW step of ``param`` (fp32, contiguous, CPU) with states from init_state().
+
+    backend "auto" / "native": the fused kernel ([Note: fused 8-bit step]) when both states are 8-bit;
+    "torch": dequantize -> torch's fused AdamW -> requantize per chunk ([Note: 8-bit step])."""
     if param.dtype != torch.float32 or not param.is_contiguous() or param.device.type != "cpu":
         raise TierstoreValueError("param must be a contiguous fp32 CPU tensor (the 8-bit step updates it in place)")
     if grad.shape != param.shape:
@@ -112,6 +135,14 @@ def adamw_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: dict, ws: Wo
               maximize=maximize, fused=True)
     if not isinstance(m, Quantized) and not isinstance(v, Quantized):
         _adamw([p], [g], [m.view(-1)], [v.view(-1)], [], [step], **kw)
+        return
+    if (_use_native(backend) and isinstance(m, Quantized) and isinstance(v, Quantized) and m.scheme == "dyn8s"
+            and v.scheme in ("dyn8u", "dyn8v") and m.block_size == v.block_size):
+        g = g.contiguous()
+        step += 1
+        _native.adamw_step(p, g, m.codes, m.absmax, v.codes, v.absmax, m.block_size, v.scheme, step=float(step),
+                           lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
+                           nthreads=nthreads)
         return
     n = p.numel()
     bs = m.block_size if isinstance(m, Quantized) else v.block_size
@@ -140,9 +171,11 @@ class AdamW8bit(torch.optim.Optimizer):
     codecs; the ZeRO-3 optimizer stores the same states through the Store instead)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, policy: StatePolicy | None = None, chunk: int = DEFAULT_CHUNK):
+                 weight_decay: float = 1e-2, policy: StatePolicy | None = None, chunk: int = DEFAULT_CHUNK,
+                 backend: str = "auto"):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.policy = policy or StatePolicy()
+        self.backend = backend  # "auto"/"native": fused kernel; "torch": the reference path
         self._ws = Workspace(chunk)
 
     @torch.no_grad()
@@ -159,5 +192,6 @@ class AdamW8bit(torch.optim.Optimizer):
                 if not st:
                     st.update(init_state(p, self.policy))
                 adamw_step_8bit(p, p.grad, st, self._ws, lr=group["lr"], beta1=group["betas"][0],
-                                beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"])
+                                beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
+                                backend=self.backend)
         return loss
