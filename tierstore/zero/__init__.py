@@ -8,3 +8,7 @@ from .config import OffloadConfig
 from .optimizer import Zero3Optimizer
 
 __all__ = ["OffloadConfig", "Zero3Optimizer"]
+
+from .checkpoint import consolidate  # noqa: E402
+
+__all__ += ["consolidate"]

@@ -1,0 +1,262 @@
+"""Zero3Optimizer at world sizes 2 and 4 (gloo on CPU, one spawn per world size running every scenario):
+parity with a single-process run on the full batch, unused/tied/reused modules, qwZ + qgZ loss, and
+checkpoints written at one world size and loaded at another."""
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import socket
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_zero import Net, batches, loss_fn, make_pair, max_rel  # noqa: E402
+
+from tierstore.zero import OffloadConfig, Zero3Optimizer  # noqa: E402
+
+STEPS = 10
+TIMEOUT = 150  # seconds for a whole spawn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Odd(nn.Module):
+    """Tied weights, an unused layer and a module called twice per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.block = nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, idx):
+        h = torch.tanh(self.block(self.emb(idx)))
+        return self.out(torch.tanh(self.block(h)))
+
+
+def odd_data(n):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, 10, (8, 5), generator=g), torch.randint(0, 10, (8, 5), generator=g)) for _ in range(n)]
+
+
+def odd_loss(m, idx, tgt):
+    return nn.functional.cross_entropy(m(idx).reshape(-1, 10), tgt.reshape(-1))
+
+
+def teacher_data(n, seed=7):
+    """A learnable regression task (a random teacher network), so the final loss is meaningful."""
+    torch.manual_seed(seed)
+    teacher = Net()
+    g = torch.Generator().manual_seed(seed + 1)
+    xs = [torch.randn(32, 16, generator=g) for _ in range(n)]
+    with torch.no_grad():
+        return [(x, teacher(x)) for x in xs]
+
+
+def cfg(root, **kw):
+    kw.setdefault("min_io_bytes", 1024)
+    kw.setdefault("sub_group_bytes", 8192)
+    kw.setdefault("nvme_paths", [os.path.join(root, "nvme")])
+    return OffloadConfig(**kw)
+
+
+def train(model, opt, data, rank, world, lossf=loss_fn, steps=None):
+    losses = []
+    for x, y in data[:steps]:
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        loss = lossf(model, xs, ys)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+# -- scenarios, run in every rank -----------------------------------------------------------------------------
+
+def sc_parity(rank, world, root):
+    _, m = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                         config=cfg(root + "/parity", params="host", optimizer_states="nvme", gradients="host"))
+    train(m, opt, batches(STEPS), rank, world)
+    out = opt.full_state_dict()
+    opt.close()
+    return out
+
+
+def sc_odd(rank, world, root):
+    torch.manual_seed(0)
+    m = Odd()
+    opt = Zero3Optimizer(m, torch.optim.Adam, lr=1e-2, config=cfg(root + "/odd", params="device",
+                                                                   optimizer_states="host", gradients="device"))
+    train(m, opt, odd_data(STEPS), rank, world, lossf=odd_loss)
+    out = opt.full_state_dict()
+    opt.close()
+    return out
+
+
+def sc_quant(rank, world, root):
+    """fp32 vs qwZ + qgZ + 8-bit states on nvme: final held-out loss."""
+    data = teacher_data(26)
+    res = {}
+    for name, kw in (("fp32", {}), ("quant", dict(quantized_weights=True, quantized_gradients=True,
+                                                 state_codec="dynamic8", optimizer_states="nvme"))):
+        torch.manual_seed(0)
+        m = Net()
+        opt = Zero3Optimizer(m, torch.optim.AdamW, lr=5e-3, config=cfg(root + "/q" + name, min_io_bytes=0, **kw))
+        train(m, opt, data[:25], rank, world)
+        with torch.no_grad():
+            res[name] = float(loss_fn(m, *data[25]))
+        opt.close()
+    return res
+
+
+def sc_checkpoint(rank, world, root):
+    """Train STEPS, save; the parent resumes from it at world 1 and compares with the continuation here."""
+    _, m = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                         config=cfg(root + "/ck", params="nvme", optimizer_states="nvme", gradients="nvme"))
+    data = batches(2 * STEPS)
+    train(m, opt, data[:STEPS], rank, world)
+    opt.save_checkpoint(os.path.join(root, "ckpt"))
+    train(m, opt, data[STEPS:], rank, world)
+    out = opt.full_state_dict()
+    opt.close()
+    return out
+
+
+SCENARIOS = {"parity": sc_parity, "odd": sc_odd, "quant": sc_quant, "checkpoint": sc_checkpoint}
+
+
+def _worker(rank, world, port, root, names):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    out = {"seconds": {}}
+    try:
+        for n in names:
+            try:
+                t0 = time.perf_counter()
+                out[n] = SCENARIOS[n](rank, world, root)
+                out["seconds"][n] = time.perf_counter() - t0
+            except Exception:
+                out[n] = {"error": traceback.format_exc()}
+                raise
+    finally:
+        torch.save(out, os.path.join(root, f"result{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def run_world(world, root, names):
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, str(root), names), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    results = []
+    for r in range(world):
+        path = os.path.join(root, f"result{r}.pt")
+        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
+    errors = [res[n]["error"] for res in results for n in res if isinstance(res[n], dict) and "error" in res[n]]
+    assert not errors, errors[0]
+    assert not hung, f"ranks {hung} still running after {TIMEOUT} s (hang)"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    print(f"world {world}: seconds per scenario on rank 0: {results[0]['seconds']}")
+    return results
+
+
+_RUNS: dict = {}
+
+
+def results_for(world, tmp_path_factory):
+    """One spawn per world size runs every scenario (world 4 leaves out the quantized run: time budget)."""
+    if world not in _RUNS:
+        root = tmp_path_factory.mktemp(f"world{world}")
+        names = list(SCENARIOS) if world == 2 else ["parity", "odd", "checkpoint"]
+        _RUNS[world] = (world, str(root), run_world(world, root, names))
+    return _RUNS[world]
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def world_results(request, tmp_path_factory):
+    return results_for(request.param, tmp_path_factory)
+
+
+def reference(model, opt, data, lossf=loss_fn):
+    for x, y in data:
+        lossf(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def test_parity_with_single_process_full_batch(world_results):
+    world, _root, res = world_results
+    ref_m, _ = make_pair()
+    reference(ref_m, torch.optim.AdamW(ref_m.parameters(), lr=1e-2, weight_decay=0.1), batches(STEPS))
+    for r in range(world):
+        assert all(torch.equal(res[0]["parity"][k], res[r]["parity"][k]) for k in res[0]["parity"])
+    rel = max_rel(res[0]["parity"], ref_m)
+    print(f"world {world}: max relative difference vs single process {rel:.2e}")
+    assert rel <= 1e-5, rel
+
+
+def test_unused_tied_and_reused_modules(world_results):
+    world, _root, res = world_results
+    torch.manual_seed(0)
+    ref_m = Odd()
+    reference(ref_m, torch.optim.Adam(ref_m.parameters(), lr=1e-2), odd_data(STEPS), lossf=odd_loss)
+    full = res[0]["odd"]
+    assert torch.equal(full["out.weight"], full["emb.weight"])
+    rel = max_rel(full, ref_m)
+    assert rel <= 1e-5, rel
+
+
+def test_quantized_collectives_and_8bit_states_loss(tmp_path_factory):
+    world, _root, res = results_for(2, tmp_path_factory)
+    q = res[0]["quant"]
+    print(f"world {world}: held-out loss fp32 {q['fp32']:.5f}, qwZ+qgZ+dynamic8 {q['quant']:.5f} "
+          f"({100 * (q['quant'] / q['fp32'] - 1):+.2f}%)")
+    assert abs(q["quant"] / q["fp32"] - 1) <= 0.02, q
+
+
+def test_checkpoint_from_world_n_resumes_at_world_1_on_other_tiers(world_results, tmp_path):
+    world, root, res = world_results
+    _, m = make_pair(seed=9)  # other initial values: everything comes from the checkpoint
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1.0, config=cfg(str(tmp_path), params="device",
+                                                                  optimizer_states="host", gradients="device",
+                                                                  sub_group_bytes=1 << 20, min_io_bytes=1 << 16))
+    opt.load_checkpoint(os.path.join(root, "ckpt"))
+    assert opt.steps == STEPS and opt.param_groups[0]["lr"] == 1e-2
+    reference(m, opt, batches(2 * STEPS)[STEPS:])
+    rel = max_rel(opt.full_state_dict(), _as_module(res[0]["checkpoint"]))
+    print(f"world {world} -> 1 resume: max relative difference {rel:.2e}")
+    assert rel <= 1e-5, rel
+    opt.close()
+
+
+def _as_module(state):
+    m = Net()
+    m.load_state_dict(state)
+    return m
