@@ -87,23 +87,17 @@ def deepspeed_aio():
 
 class DeepSpeed:
     """aio_handle(block_size, queue_depth, single_submit=False, overlap_events=True, threads=1) over the
-    same bytes; its buffer is its own page-locked tensor."""
+    same bytes, from a page-locked tensor of its own making (one, shared by every handle of the sweep)."""
 
-    def __init__(self, mod, qd: int, bs: int, path: str, size: int):
-        import torch
-
+    def __init__(self, mod, qd: int, bs: int, path: str, locked):
         self.h = mod.aio_handle(bs, qd, False, True, 1)
-        self.t = self.h.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
-        self.path = path
+        self.t, self.path = locked, path
 
     def write(self) -> None:
         self.h.sync_pwrite(self.t, self.path)
 
     def read(self) -> None:
         self.h.sync_pread(self.t, self.path)
-
-    def close(self) -> None:
-        self.h.free_cpu_locked_tensor(self.t)
 
 
 def layout(path: str, size: int) -> None:
@@ -129,7 +123,7 @@ def small_sizes(count: int, seed: int = 0) -> list[int]:
 # ---- the run -------------------------------------------------------------------------------------
 
 def run(args) -> int:
-    import torch  # noqa: F401  (pool tensors)
+    import torch
 
     from ..io import BufferPool, io_uring_status
 
@@ -160,9 +154,11 @@ def run(args) -> int:
     seq_path = os.path.join(work, "seq.bin")
     layout(seq_path, size)
     results: dict = {"size": size, "rounds": rounds, "notes": notes, "sequential": [], "small": {}}
+    ds_owner = ds_mod.aio_handle(1 << 20, 8, False, True, 1) if ds_mod is not None else None
+    ds_locked = ds_owner.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8)) if ds_owner else None
     try:
         cases: dict = {}
-        closers = []
+        closers = [lambda: ds_owner.free_cpu_locked_tensor(ds_locked)] if ds_owner else []
         for bs in bss:
             for qd in qds:
                 for be in backends:
@@ -171,8 +167,7 @@ def run(args) -> int:
                     cases[("write", bs, qd, f"tierstore/{be}")] = o.write
                     cases[("read", bs, qd, f"tierstore/{be}")] = o.read
                 if ds_mod is not None:
-                    d = DeepSpeed(ds_mod, qd, bs, seq_path, size)
-                    closers.append(d.close)
+                    d = DeepSpeed(ds_mod, qd, bs, seq_path, ds_locked)
                     cases[("write", bs, qd, "deepspeed")] = d.write
                     cases[("read", bs, qd, "deepspeed")] = d.read
                 if fio:
