@@ -136,6 +136,37 @@ class StoreConformance:
             assert torch.equal(s.get("big"), x)
         assert read_around(dirs, manifest(dirs[0])["tensors"]["big"]) == raw(x)
 
+    def test_get_into_out(self, dirs):
+        small = sample(torch.float32, (37, 11))
+        big = torch.randn(3 << 20 >> 2)  # 3 MiB: chunked reads through 1 MiB buffers (or straight in)
+        with self.open(dirs, pinned_budget=2 << 20) as s:
+            s.put("small", small, self.tier)
+            s.put("big", big, self.tier)
+            s.flush()
+        from tierstore.tiers.host import aligned_empty
+        with self.open(dirs, pinned_budget=2 << 20) as s:  # reopened: the nvme copy only
+            for _ in range(2):
+                outs = {
+                    "plain": torch.empty_like(big),  # torch's allocator: not 4 KiB aligned
+                    "aligned": aligned_empty(big.numel() * 4, lock=False).view(torch.float32),  # O_DIRECT into it
+                    "strided": torch.empty(2, big.numel()).t()[:, 0],  # non-contiguous
+                }
+                for o in outs.values():
+                    assert s.get("big", out=o) is o and torch.equal(o, big)
+                o = torch.empty_like(small)
+                assert s.get("small", out=o) is o and torch.equal(o, small)
+                got = s.get_many(["small", "big"], out=[torch.zeros_like(small), outs["plain"].zero_()])
+                assert torch.equal(got["small"], small) and got["big"] is outs["plain"] and torch.equal(got["big"], big)
+                got = s.get_many(["big"], out={"big": outs["strided"].zero_()})
+                assert got["big"] is outs["strided"] and torch.equal(outs["strided"], big)
+                s.tensor("big").prefetch("host").result()  # a memory copy now: out= is filled from it
+            with pytest.raises(TierstoreValueError, match=r"out= for 'small' needs shape \(37, 11\)"):
+                s.get("small", out=torch.empty(11, 37))
+            with pytest.raises(TierstoreValueError, match="dtype torch.float32"):
+                s.get("small", out=torch.empty(37, 11, dtype=torch.float64))
+            with pytest.raises(TierstoreValueError, match="one per name"):
+                s.get_many(["small", "big"], out=[torch.empty(37, 11)])
+
     def test_move_between_tiers(self, dirs):
         x = sample(torch.float32, (256, 64))
         with self.open(dirs) as s:
@@ -354,6 +385,60 @@ def test_corruption_is_detected_and_others_still_read(tmp_path):
         s.put("t2", xs["t2"])  # repairing it works
         s.flush()
     with Store.open(tmp_path) as s:
+        assert all(torch.equal(s.get(k), v) for k, v in xs.items())
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["direct", "bounce"])
+def test_corruption_in_a_chunked_large_read(tmp_path, aligned):
+    """A flipped byte in the 3rd of 4 chunks of a large tensor is caught whether the chunks are read
+    straight into the result or through pool buffers; the other tensor still reads."""
+    from tierstore.tiers.host import aligned_empty
+    x, y = torch.randn(4 << 20 >> 2), torch.randn(3 << 20 >> 2)
+    with Store(tmp_path, pinned_budget=2 << 20, buffer_bytes=1 << 20) as s:
+        s.put("x", x, "nvme")
+        s.put("y", y, "nvme")
+    e = manifest(tmp_path)["tensors"]["x"]["extent"]
+    with open(tmp_path / "extents-0000.bin", "r+b") as f:
+        f.seek(e["offset"] + (2 << 20) + 12345)
+        b = f.read(1)
+        f.seek(e["offset"] + (2 << 20) + 12345)
+        f.write(bytes([b[0] ^ 0x01]))
+    with Store.open(tmp_path, pinned_budget=2 << 20, buffer_bytes=1 << 20) as s:
+        out = aligned_empty(x.numel() * 4, lock=False).view(torch.float32) if aligned else torch.empty_like(x)
+        assert (out.data_ptr() % 4096 == 0) == aligned
+        with pytest.raises(CorruptionError, match=r"tensor 'x'.*4194304 bytes at offset"):
+            s.get("x", out=out)
+        with pytest.raises(CorruptionError, match="'x'"):
+            s.get_many(["y", "x"], out=[torch.empty_like(y), out])
+        assert torch.equal(s.get("y"), y)
+
+
+def test_extent_files_are_preallocated_best_effort(tmp_path, monkeypatch):
+    """Beyond PREALLOC_FROM an extent file's space is reserved ahead of the writes (see
+    [Note: extent files are preallocated ahead of the writes]); where fallocate fails, writes go on."""
+    import tierstore.tiers.nvme as nvme
+
+    monkeypatch.setattr(nvme, "PREALLOC_FROM", 0)
+    xs = {f"t{i}": torch.full((300_000,), float(i)) for i in range(4)}  # 4 x 1.2 MB, streamed
+    with Store(tmp_path / "a", buffer_bytes=1 << 20, pinned_budget=4 << 20) as s:
+        for k, v in xs.items():
+            s.put(k, v, "nvme")
+        s.flush()
+        used = s._nvme.alloc.ends[0]  # bytes
+        st = os.stat(tmp_path / "a" / "extents-0000.bin")
+        assert st.st_size >= used + (1 << 20) and st.st_blocks * 512 >= st.st_size  # reserved ahead of use
+    with Store.open(tmp_path / "a") as s:
+        assert all(torch.equal(s.get(k), v) for k, v in xs.items())
+
+    def refuse(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(nvme, "_fallocate", refuse)
+    with Store(tmp_path / "b", buffer_bytes=1 << 20, pinned_budget=4 << 20) as s:
+        for k, v in xs.items():
+            s.put(k, v, "nvme")
+        s.flush()
+        assert os.path.getsize(tmp_path / "b" / "extents-0000.bin") <= s._nvme.alloc.ends[0]  # nothing reserved
+    with Store.open(tmp_path / "b") as s:
         assert all(torch.equal(s.get(k), v) for k, v in xs.items())
 
 

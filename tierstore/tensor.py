@@ -178,10 +178,9 @@ class TieredTensor:
 
     # -- encoding ------------------------------------------------------------------------------------
     def _encode(self, cpu: torch.Tensor) -> torch.Tensor:
-        """Contiguous CPU tensor -> uint8 tensor of what goes to the nvme tier."""
-        raw = as_bytes(cpu)
+        """Contiguous CPU tensor -> contiguous CPU tensor whose bytes go to the nvme tier."""
         if self.codec is IDENTITY:
-            return raw
+            return cpu  # its memory as it is (the nvme tier takes bytes: no uint8 view needed)
         enc = self.codec.encode(to_numpy(cpu))
         arr = np.frombuffer(memoryview(enc).cast("B"), dtype=np.uint8)
         return torch.from_numpy(arr.copy())

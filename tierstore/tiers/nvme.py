@@ -392,16 +392,16 @@ class NvmeTier:
         fut.add_done_callback(done)
 
     def write(self, src: torch.Tensor) -> Extent:
-        """Start writing the bytes of `src` (a contiguous uint8 CPU tensor); returns its extent at once.
+        """Start writing the bytes of `src` (a contiguous CPU tensor, any dtype); returns its extent at once.
 
         The copy is taken before returning, so `src` may change afterwards. `extent.written` resolves when
         the bytes are in the file (not yet durable: see sync())."""
         self._check()
-        n = src.numel()
+        n = src.numel() * src.element_size()  # bytes
         if n == 0:
             return Extent(0, 0, 0, 0, 0)
-        if src.device.type != "cpu" or not src.is_contiguous() or src.element_size() != 1:
-            raise TierstoreValueError("the nvme tier writes contiguous uint8 CPU tensors")
+        if src.device.type != "cpu" or not src.is_contiguous():
+            raise TierstoreValueError("the nvme tier writes contiguous CPU tensors")
         alen = align_up(n)
         t0 = time.perf_counter()
         try:
