@@ -347,6 +347,7 @@ typedef struct {
     float eps;
     float step_size;     /* lr / (1 - beta1^t) */
     int32_t nthreads;
+    int32_t portable;    /* 1: never the AVX-512 loops (tests compare both paths byte for byte) */
 } tsq_adamw_job;
 
 /* Correctly rounded square roots of a block. With errno semantics (the default; setup.py sets no -fno-math-errno
@@ -414,17 +415,118 @@ CLONES static void adamw_finish(const tsq_adamw_job *j, int64_t len, float *rest
     }
 }
 
+/* [Note: AVX-512 loops] gcc 12 as shipped here emulates table lookups (vals[c[i]], lut[b]) with scalar loads
+ * (its x86 tunings no longer emit gathers), which made the lookups half of the fused step. These two functions
+ * are adamw_update / adamw_finish written with AVX-512F intrinsics: the same IEEE operations in the same order
+ * (no FMA: fp-contract is off, and no fmadd intrinsic is used), explicit gathers for the lookups, so the bytes
+ * are those of the portable loops (a test runs both). Used when the CPU has AVX-512F; tails go to the C loops. */
+__attribute__((target("avx512f"))) static int64_t adamw_update_avx512(
+    const tsq_adamw_job *j, int64_t len, float *restrict p, const float *restrict g, const uint8_t *restrict mc,
+    const uint8_t *restrict vc, const float *restrict mvals, const float *restrict vvals, float am_old,
+    float av_old, float *restrict m, float *restrict v, uint32_t *mmax_out, uint32_t *vmax_out)
+{
+    const __m512 decay = _mm512_set1_ps(j->decay), w1 = _mm512_set1_ps(j->w1), omw1 = _mm512_set1_ps(j->one_minus_w1);
+    const __m512 beta2 = _mm512_set1_ps(j->beta2), w2 = _mm512_set1_ps(j->w2);
+    const __m512 sign = _mm512_set1_ps(j->maximize ? -1.0f : 1.0f);
+    const __m512 am = _mm512_set1_ps(am_old), av = _mm512_set1_ps(av_old);
+    const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
+    const int lerp_small = j->lerp_small;
+    __m512i mmax = _mm512_setzero_si512(), vmax = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16) {
+        __m512i ci = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mc + i)));
+        __m512i di = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(vc + i)));
+        __m512 mi = _mm512_mul_ps(_mm512_i32gather_ps(ci, mvals, 4), am);
+        __m512 vi = _mm512_mul_ps(_mm512_i32gather_ps(di, vvals, 4), av);
+        __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), sign);
+        _mm512_storeu_ps(p + i, _mm512_mul_ps(_mm512_loadu_ps(p + i), decay));
+        mi = lerp_small ? _mm512_add_ps(mi, _mm512_mul_ps(w1, _mm512_sub_ps(gi, mi)))
+                        : _mm512_sub_ps(gi, _mm512_mul_ps(_mm512_sub_ps(gi, mi), omw1));
+        vi = _mm512_mul_ps(vi, beta2);
+        vi = _mm512_add_ps(vi, _mm512_mul_ps(_mm512_mul_ps(w2, gi), gi));
+        _mm512_storeu_ps(m + i, mi);
+        _mm512_storeu_ps(v + i, vi);
+        mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(mi), absmask));
+        vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(vi), absmask));
+    }
+    *mmax_out = _mm512_reduce_max_epu32(mmax);
+    *vmax_out = _mm512_reduce_max_epu32(vmax);
+    return i;
+}
+
+__attribute__((target("avx512f"))) static inline __m512i dyn_code_avx512(const int32_t *lut, __m512i shift,
+                                                                         __m512i base, __m512i top, __m512 r)
+{
+    __m512i u = _mm512_castps_si512(r);
+    __m512i b = _mm512_min_epi32(_mm512_max_epi32(_mm512_sub_epi32(_mm512_srlv_epi32(u, shift), base),
+                                                  _mm512_setzero_si512()), top);
+    __m512i e = _mm512_i32gather_epi32(b, lut, 4);
+    __m512i lowmask = _mm512_sub_epi32(_mm512_sllv_epi32(_mm512_set1_epi32(1), shift), _mm512_set1_epi32(1));
+    __mmask16 up = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, lowmask),
+                                           _mm512_and_si512(e, _mm512_set1_epi32(0xFFFF)));
+    return _mm512_mask_add_epi32(_mm512_srai_epi32(e, 16), up, _mm512_srai_epi32(e, 16), _mm512_set1_epi32(1));
+}
+
+__attribute__((target("avx512f"))) static int64_t adamw_finish_avx512(
+    const tsq_adamw_job *j, int64_t len, float *restrict p, const float *restrict m, const float *restrict v,
+    const float *restrict sq, const int32_t *restrict mlut, const int32_t *restrict vlut, float minv, float vinv,
+    uint8_t *restrict mc, uint8_t *restrict vc)
+{
+    const __m512 bc2 = _mm512_set1_ps(j->bc2_sqrt), eps = _mm512_set1_ps(j->eps), ss = _mm512_set1_ps(j->step_size);
+    const __m512 mi_inv = _mm512_set1_ps(minv), vi_inv = _mm512_set1_ps(vinv), zero = _mm512_setzero_ps();
+    const __m512i shift = _mm512_set1_epi32(j->lut_shift);
+    const __m512i mbase = _mm512_set1_epi32(j->m_lut_base), mtop = _mm512_set1_epi32(j->m_lut_size - 1);
+    const __m512i vbase = _mm512_set1_epi32(j->v_lut_base), vtop = _mm512_set1_epi32(j->v_lut_size - 1);
+    const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF), zi = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16) {
+        __m512 mi = _mm512_loadu_ps(m + i), vi = _mm512_loadu_ps(v + i);
+        __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_loadu_ps(sq + i), bc2), eps);
+        _mm512_storeu_ps(p + i, _mm512_sub_ps(_mm512_loadu_ps(p + i), _mm512_div_ps(_mm512_mul_ps(ss, mi), denom)));
+        __m512 r = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(mi), absmask)), mi_inv);
+        __m512i c = dyn_code_avx512(mlut, shift, mbase, mtop, r);
+        __mmask16 neg = _mm512_cmp_epi32_mask(c, zi, _MM_CMPINT_NE) & _mm512_cmp_ps_mask(mi, zero, _CMP_LT_OQ);
+        c = _mm512_mask_or_epi32(c, neg, c, _mm512_set1_epi32(128));
+        _mm_storeu_si128((__m128i *)(mc + i), _mm512_cvtepi32_epi8(c));
+        __m512 rv = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(vi), absmask)), vi_inv);
+        __m512i d = dyn_code_avx512(vlut, shift, vbase, vtop, rv);
+        __mmask16 zp = _mm512_cmp_epi32_mask(d, zi, _MM_CMPINT_EQ) & _mm512_cmp_ps_mask(rv, zero, _CMP_GT_OQ);
+        d = _mm512_mask_add_epi32(d, zp, d, _mm512_set1_epi32(1));
+        _mm_storeu_si128((__m128i *)(vc + i), _mm512_cvtepi32_epi8(d));
+    }
+    return i;
+}
+
+static int have_avx512(void)
+{
+    static int cached = -1; /* racy but idempotent: every thread computes the same value */
+    if (cached < 0)
+        cached = __builtin_cpu_supports("avx512f") ? 1 : 0;
+    return cached;
+}
+
 /* Returns whether the new m or v of block b holds NaN/Inf. */
 static int adamw_block(const tsq_adamw_job *j, int64_t b, int64_t len, float *m, float *v, float *sq)
 {
     const int64_t start = b * j->block;
-    uint32_t mmax, vmax;
-    adamw_update(j, len, j->param + start, j->grad + start, j->m_codes + start, j->v_codes + start, j->m_values,
-                 j->v_values, j->m_absmax[b], j->v_absmax[b], m, v, &mmax, &vmax);
+    float *p = j->param + start;
+    const float *g = j->grad + start;
+    uint8_t *mc = j->m_codes + start, *vc = j->v_codes + start;
+    const float am_old = j->m_absmax[b], av_old = j->v_absmax[b];
+    const int fast = !j->portable && have_avx512();
+    uint32_t mmax = 0, vmax = 0, mmax2 = 0, vmax2 = 0;
+    int64_t k = 0;
+    if (fast)
+        k = adamw_update_avx512(j, len, p, g, mc, vc, j->m_values, j->v_values, am_old, av_old, m, v, &mmax, &vmax);
+    adamw_update(j, len - k, p + k, g + k, mc + k, vc + k, j->m_values, j->v_values, am_old, av_old, m + k, v + k,
+                 &mmax2, &vmax2);
+    mmax = mmax2 > mmax ? mmax2 : mmax;
+    vmax = vmax2 > vmax ? vmax2 : vmax;
     block_sqrt(v, len, sq);
     const float am = u2f(mmax), av = u2f(vmax);
-    adamw_finish(j, len, j->param + start, m, v, sq, j->m_lut, j->v_lut, am > 0.0f ? 1.0f / am : 0.0f,
-                 av > 0.0f ? 1.0f / av : 0.0f, j->m_codes + start, j->v_codes + start);
+    const float minv = am > 0.0f ? 1.0f / am : 0.0f, vinv = av > 0.0f ? 1.0f / av : 0.0f;
+    k = fast ? adamw_finish_avx512(j, len, p, m, v, sq, j->m_lut, j->v_lut, minv, vinv, mc, vc) : 0;
+    adamw_finish(j, len - k, p + k, m + k, v + k, sq + k, j->m_lut, j->v_lut, minv, vinv, mc + k, vc + k);
     j->m_absmax[b] = am;
     j->v_absmax[b] = av;
     return mmax >= 0x7F800000u || vmax >= 0x7F800000u;
