@@ -17,6 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="A B A B rounds per case (default 5)")
     p.add_argument("--no-step", action="store_true", help="skip the 8-bit AdamW step comparison")
     p.add_argument("--step-only", action="store_true", help="only the 8-bit AdamW step comparison")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads, which the native kernels follow (default: torch's default); 1 "
+                        "takes OpenMP oversubscription on a loaded machine out of the comparison")
     p.add_argument("--no-torch-reference", action="store_true",
                    help="skip the pure-torch (vectorised, no C) quantizer rows")
 
@@ -25,6 +28,9 @@ def run(args) -> int:
     import torch
 
     from tierstore.bench._common import Progress, interleave, print_table, ratio, write_json
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     from tierstore.quant import dequantize, empty_quantized, quantize
 
     try:
@@ -121,7 +127,8 @@ def run(args) -> int:
             per_round = sorted(b / a for a, b in zip(res[names[0]].seconds, res[k].seconds))
             rows.append([k, f"{res[k].median * 1e3:.1f}", f"{res[k].median / tf:.2f}x",
                          f"{per_round[0]:.2f}-{per_round[-1]:.2f}x"])
-        print_table(f"one AdamW step, {n} parameters (median of {args.rounds} A B C rounds)",
+        print_table(f"one AdamW step, {n} parameters, {torch.get_num_threads()} thread(s) (median of {args.rounds} "
+                    f"A B C rounds)",
                     ["step", "ms", "time vs fused fp32", "per-round range"], rows,
                     caption="target: 8-bit step <= 3x torch's fused fp32 step; state bytes 2 per parameter vs 8")
         payload["step"] = {k: res[k].seconds for k in names}

@@ -138,6 +138,9 @@ def adamw_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: dict, ws: Wo
         return
     if (_use_native(backend) and isinstance(m, Quantized) and isinstance(v, Quantized) and m.scheme == "dyn8s"
             and v.scheme in ("dyn8u", "dyn8v") and m.block_size == v.block_size):
+        if m.numel != p.numel() or v.numel != p.numel():
+            raise TierstoreValueError(f"state holds {m.numel} / {v.numel} elements for a parameter of {p.numel()}; "
+                                      f"make it with init_state(param, policy) for this parameter")
         g = g.contiguous()
         step += 1
         _native.adamw_step(p, g, m.codes, m.absmax, v.codes, v.absmax, m.block_size, v.scheme, step=float(step),
