@@ -177,7 +177,7 @@ def test_step_rejects_bad_params(bad):
         adamw_step_8bit(p, g, init_state(p.float(), StatePolicy()), Workspace(), lr=LR)
 
 
-def _spec_step(p, g, st, *, lr, beta1=0.9, beta2=0.999, eps=1e-8, wd=1e-2, maximize=False):
+def _spec_step(p, g, st, *, lr, beta1=0.9, beta2=0.999, eps=1e-8, wd=1e-2, maximize=False, bs=256):
     """The fused kernel's arithmetic written with elementwise torch ops (no FMA), numpy's correctly rounded sqrt
     (torch.sqrt on CPU is not always), and the codecs: [Note: fused 8-bit step]."""
     t = st["step"].item() + 1
@@ -190,24 +190,26 @@ def _spec_step(p, g, st, *, lr, beta1=0.9, beta2=0.999, eps=1e-8, wd=1e-2, maxim
     v = v + f(1 - beta2) * g * g
     denom = torch.from_numpy(np.sqrt(v.numpy())) / f(math.sqrt(1 - beta2 ** t)) + f(eps)
     p = p - f(lr / (1 - beta1 ** t)) * m / denom
-    return p, quantize(m, "dyn8s", 256), quantize(v, "dyn8v", 256)
+    return p, quantize(m, "dyn8s", bs), quantize(v, "dyn8v", bs)
 
 
-@pytest.mark.parametrize("beta1,wd,maximize", [(0.9, 1e-2, False), (0.3, 0.0, True)])
-def test_fused_step_is_the_specified_arithmetic(beta1, wd, maximize):
+@pytest.mark.parametrize("beta1,wd,maximize,bs", [(0.9, 1e-2, False, 256), (0.3, 0.0, True, 64),
+                                                  (0.9, 1e-2, False, 8192)])
+def test_fused_step_is_the_specified_arithmetic(beta1, wd, maximize, bs):
     """The native fused step gives, bit for bit, the spec above (param, codes and absmax), from a state that has
-    been through a few steps, over a last partial block; and the same bytes on 1 and 3 threads."""
+    been through a few steps, over a last partial block (of 7 elements: a SIMD tail too); and the same bytes
+    on 1 and 3 threads."""
     if not _native.available():
         pytest.skip("native kernel not built")
-    n = 10_000
+    n = 10 * 8192 + 7
     g0 = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=g0)
-    st, ws = init_state(p, StatePolicy()), Workspace(1024)
+    st, ws = init_state(p, StatePolicy(block_size=bs)), Workspace(1 << 14)
     for _ in range(3):
         adamw_step_8bit(p, torch.randn(n, generator=g0), st, ws, lr=LR, beta1=beta1, weight_decay=wd,
                         maximize=maximize)
     g = torch.randn(n, generator=g0)
-    ps, ms, vs = _spec_step(p.clone(), g, st, lr=LR, beta1=beta1, wd=wd, maximize=maximize)
+    ps, ms, vs = _spec_step(p.clone(), g, st, lr=LR, beta1=beta1, wd=wd, maximize=maximize, bs=bs)
     other = {k: (copy.deepcopy(v) if k != "step" else v.clone()) for k, v in st.items()}
     p3 = p.clone()
     adamw_step_8bit(p, g, st, ws, lr=LR, beta1=beta1, weight_decay=wd, maximize=maximize, nthreads=1)
