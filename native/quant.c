@@ -500,8 +500,10 @@ __attribute__((target("avx512f"))) static int64_t adamw_finish_avx512(
 static int have_avx512(void)
 {
     static int cached = -1; /* racy but idempotent: every thread computes the same value */
-    if (cached < 0)
-        cached = __builtin_cpu_supports("avx512f") ? 1 : 0;
+    if (cached < 0) {
+        __builtin_cpu_init(); /* idempotent; needed if called before libgcc's constructor ran */
+        cached = __builtin_cpu_supports("avx512f") ? 1 : 0; /* libgcc also checks that the OS saves zmm state */
+    }
     return cached;
 }
 
