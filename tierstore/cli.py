@@ -14,6 +14,7 @@ BENCHMARKS = {
     "quant": "block quantizers (int8/int4/dynamic 8-bit) and the 8-bit AdamW step vs bitsandbytes and torch",
     "io": "sequential and small-request I/O vs fio and DeepSpeed aio",
     "store": "Store put+flush/get of many small and a few large tensors vs the raw engine and torch.save/load",
+    "partition": "layout of GPT-2/7B shapes: I/O requests per rank, their size, padding vs one file per parameter",
 }
 
 
