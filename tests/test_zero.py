@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import warnings
 
 import pytest
@@ -295,3 +296,135 @@ def test_from_deepspeed_maps_keys_and_warns_on_the_rest():
     assert c2.compute_dtype == torch.float16 and c2.initial_loss_scale == 256
     with pytest.raises(TierstoreValueError, match="stage"):
         OffloadConfig.from_deepspeed({"zero_optimization": {"stage": 2}})
+
+
+# -- sub-group pipeline, 8-bit states, fp16 / bf16 ------------------------------------------------------------
+
+def test_step_pipeline_overlaps_and_bounds_in_flight():
+    import threading
+    import time as _time
+
+    from tierstore.zero.pipeline import StepPipeline
+
+    events, lock = [], threading.Lock()
+
+    def log(*e):
+        with lock:
+            events.append(e)
+
+    def load(i):
+        log("load", i)
+        _time.sleep(0.002)
+        return i
+
+    def compute(i, x):
+        log("compute", i)
+        _time.sleep(0.004)
+        return x * 10
+
+    def save(i, r):
+        log("save", i)
+        _time.sleep(0.002)
+        assert r == i * 10
+
+    pl = StepPipeline(3)
+    pl.run(range(8), load, compute, save)
+    assert [e[1] for e in events if e[0] == "save"] == list(range(8))
+    assert pl.peak_in_flight <= 3
+    # read i+1 was started before compute i finished (it is logged before compute i+1)
+    order = [e for e in events if e[0] in ("load", "compute")]
+    assert order.index(("load", 5)) < order.index(("compute", 5)) and order.index(("load", 5)) < order.index(("compute", 4)) + 2
+
+    def bad_save(i, r):
+        if i == 3:
+            raise OSError("disk on fire")
+    with pytest.raises(OSError, match="disk on fire"):
+        pl.run(range(8), load, compute, bad_save)
+    pl.close()
+
+
+def train_loss(tmp_path, steps=25, **cfg_kw):
+    torch.manual_seed(0)
+    m = Net(d=64, h=128)
+    teacher = Net(d=64, h=128)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(32, 64, generator=g) for _ in range(steps + 1)]
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=3e-3, config=cfg(tmp_path, **cfg_kw))
+    try:
+        for x in xs[:steps]:
+            with torch.no_grad():
+                y = teacher(x)
+            cdt = opt.config.compute_dtype  # inputs in the compute dtype, as with model.half() / .bfloat16()
+            opt.backward(loss_fn(m, x.to(cdt), y.to(cdt)))
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            cdt = opt.config.compute_dtype
+            return float(loss_fn(m, xs[-1].to(cdt), teacher(xs[-1]).to(cdt)).float()), opt
+    finally:
+        opt.close()
+
+
+def test_dynamic8_states_on_nvme_are_small_and_train_within_2pct(tmp_path):
+    base, _ = train_loss(tmp_path / "a", min_io_bytes=1 << 20, sub_group_bytes=1 << 20)
+    torch.manual_seed(0)
+    m = Net(d=64, h=128)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=3e-3, config=cfg(tmp_path / "b", states="nvme", state_codec="dynamic8",
+                                                                   min_io_bytes=1 << 20, sub_group_bytes=1 << 20))
+    x = torch.randn(8, 64)
+    loss_fn(m, x, torch.zeros(8, 4)).backward()
+    opt.step()
+    t = opt.store.tensor("s0.exp_avg")
+    assert t.encoded_nbytes < t.nbytes / 3  # 8 bits + a scale per block, not 32 bits
+    opt.close()
+    q, _ = train_loss(tmp_path / "c", states="nvme", state_codec="dynamic8", min_io_bytes=1 << 20,
+                      sub_group_bytes=1 << 20)
+    print(f"held-out loss fp32 states {base:.5f}, dynamic8 states {q:.5f} ({100 * (q / base - 1):+.2f}%)")
+    assert abs(q / base - 1) <= 0.02
+
+
+def test_bf16_compute_keeps_fp32_masters(tmp_path):
+    base, _ = train_loss(tmp_path / "a")
+    torch.manual_seed(0)
+    m = Net(d=64, h=128)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(tmp_path / "b", compute_dtype=torch.bfloat16))
+    assert opt.store.get("m0").dtype == torch.float32 and opt.store.get("p0").dtype == torch.bfloat16
+    with opt.gathered():
+        assert all(p.dtype == torch.bfloat16 and p.numel() > 0 for p in m.parameters())
+    opt.close()
+    bf, _ = train_loss(tmp_path / "c", compute_dtype=torch.bfloat16)
+    print(f"held-out loss fp32 {base:.5f}, bf16 compute {bf:.5f}")
+    assert abs(bf / base - 1) <= 0.1
+
+
+def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(tmp_path):
+    torch.manual_seed(0)
+    m = Net()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path, compute_dtype=torch.float16,
+                                                                   initial_loss_scale=2.0 ** 20))
+    try:
+        before = opt.full_state_dict()
+        data = batches(1) * 12  # one batch again and again: the loss must fall once steps are taken
+        losses = []
+        for x, y in data:
+            loss = loss_fn(m, x.half(), y.half())
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        skipped = opt._scaler.skipped
+        assert skipped >= 1 and opt.loss_scale == 2.0 ** (20 - skipped)  # halved once per overflow
+        assert skipped < 12, "training never resumed"
+        assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[skipped]
+        after = opt.full_state_dict()
+        assert any(not torch.equal(before[k], after[k]) for k in before)  # steps after the skips did update
+        # a skipped step leaves the parameters untouched
+        opt2 = Zero3Optimizer(Net(), torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path / "b", compute_dtype=torch.float16,
+                                                                           initial_loss_scale=2.0 ** 20))
+        b2 = opt2.full_state_dict()
+        opt2.backward(loss_fn(opt2.model, data[0][0].half(), data[0][1].half()))
+        opt2.step()
+        assert opt2._scaler.skipped == 1 and all(torch.equal(b2[k], v) for k, v in opt2.full_state_dict().items())
+        opt2.close()
+    finally:
+        opt.close()
