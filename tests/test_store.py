@@ -138,7 +138,8 @@ class StoreConformance:
 
     def test_get_into_out(self, dirs):
         small = sample(torch.float32, (37, 11))
-        big = torch.randn(3 << 20 >> 2)  # 3 MiB: chunked reads through 1 MiB buffers (or straight in)
+        big = torch.randn(((2 << 20) + 4096) >> 2)  # 2 MiB + 4 KiB: 3 chunks of 1 MiB, read through pool
+        # buffers or straight in
         with self.open(dirs, pinned_budget=2 << 20) as s:
             s.put("small", small, self.tier)
             s.put("big", big, self.tier)
