@@ -42,6 +42,7 @@ from typing import NamedTuple, Union
 
 import torch
 
+from ._units import fmt_bytes
 from .errors import TierstoreValueError
 
 __all__ = ["Bucket", "Location", "ParamSpec", "Piece", "Plan", "PlanSummary", "ShardCopy", "plan",
@@ -189,15 +190,15 @@ class PlanSummary:
 
     def __str__(self) -> str:
         split = f"; {self.split_params} split over several buckets" if self.split_params else ""
-        lines = [f"{self.params} parameters ({_fmt_bytes(self.payload_bytes)}) in {self.buckets} buckets over "
+        lines = [f"{self.params} parameters ({fmt_bytes(self.payload_bytes)}) in {self.buckets} buckets over "
                  f"{self.world_size} ranks{split}"]
         if self.requests_per_rank:
             lines.append(f"per rank per step: {self.requests_per_rank} requests of "
-                         f"{_fmt_bytes(self.request_bytes_min)} to {_fmt_bytes(self.request_bytes_max)} "
-                         f"(mean {_fmt_bytes(self.request_bytes_mean)}), {_fmt_bytes(self.rank_bytes)} in all")
+                         f"{fmt_bytes(self.request_bytes_min)} to {fmt_bytes(self.request_bytes_max)} "
+                         f"(mean {fmt_bytes(self.request_bytes_mean)}), {fmt_bytes(self.rank_bytes)} in all")
         else:
             lines.append("per rank per step: no requests (the model has no elements)")
-        lines.append(f"padding: {_fmt_bytes(self.padding_bytes)} ({self.padding_pct:.2f}% of the model); "
+        lines.append(f"padding: {fmt_bytes(self.padding_bytes)} ({self.padding_pct:.2f}% of the model); "
                      f"every shard offset and length is a multiple of {self.alignment} bytes")
         return "\n".join(lines)
 
@@ -779,11 +780,3 @@ def _check_same_params(src: Plan, dst: Plan) -> None:
             raise TierstoreValueError(f"parameter {name!r} is {s.shape} {_dtype_name(s.dtype)} in the source plan "
                                       f"but {dst.params[name].shape} {_dtype_name(dst.params[name].dtype)} in "
                                       f"the destination")
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator
 
+from .._units import fmt_bytes  # noqa: F401  (re-exported for the benchmarks)
+
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
 
@@ -38,14 +40,6 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def gib_s(nbytes: int, seconds: float) -> float:

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from .._units import fmt_bytes
 from ..errors import MisuseError, PinnedMemoryError, TierstoreValueError
 
 log = logging.getLogger("tierstore.io")
@@ -32,14 +33,6 @@ def memlock_limit() -> int | None:
     """The soft RLIMIT_MEMLOCK in bytes, or None when unlimited."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return None if soft == resource.RLIM_INFINITY else soft
-
-
-def _fmt(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 class Buffer:
@@ -124,16 +117,16 @@ class BufferPool:
         if _libc.mlock(self.base_addr, self.nbytes) != 0:
             err = ctypes.get_errno()
             limit = memlock_limit()
-            lim = "unlimited" if limit is None else _fmt(limit)
+            lim = "unlimited" if limit is None else fmt_bytes(limit)
             self._u8 = None  # drop the view so the mapping can go
             self._mm.close()
             if err in (errno.ENOMEM, errno.EPERM, errno.EAGAIN):
                 raise PinnedMemoryError(
-                    f"cannot page-lock {_fmt(self.nbytes)} of host memory: the page-lock limit "
+                    f"cannot page-lock {fmt_bytes(self.nbytes)} of host memory: the page-lock limit "
                     f"(ulimit -l) is {lim}. Fix: raise it (`ulimit -l unlimited` in the shell, "
                     "'* - memlock unlimited' in /etc/security/limits.conf, or `docker run --ulimit "
                     "memlock=-1`), or lower the pinned budget, or pass lock=False (slower device copies)")
-            raise PinnedMemoryError(f"mlock of {_fmt(self.nbytes)} failed: {errno.errorcode.get(err, err)}")
+            raise PinnedMemoryError(f"mlock of {fmt_bytes(self.nbytes)} failed: {errno.errorcode.get(err, err)}")
         self.locked = True
         if torch.cuda.is_available():  # CUDA-only branch: not run on the CPU-only development machines
             rc = torch.cuda.cudart().cudaHostRegister(self.base_addr, self.nbytes, 0)
@@ -163,7 +156,7 @@ class BufferPool:
                 if left is not None and left <= 0:
                     raise TimeoutError(
                         f"no pool buffer became free within {timeout} s ({self.count} buffers of "
-                        f"{_fmt(self.buffer_bytes)} all leased); release buffers or raise the budget")
+                        f"{fmt_bytes(self.buffer_bytes)} all leased); release buffers or raise the budget")
                 self._cond.wait(left)
             if self._closed:
                 raise MisuseError("the buffer pool is closed")
@@ -200,5 +193,5 @@ class BufferPool:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"BufferPool({self.count} x {_fmt(self.buffer_bytes)}, free={self.free}, "
+        return (f"BufferPool({self.count} x {fmt_bytes(self.buffer_bytes)}, free={self.free}, "
                 f"locked={self.locked})")
