@@ -4,11 +4,10 @@ Imports the store, partition and quant layers; nothing below imports this packag
 """
 from __future__ import annotations
 
+from .checkpoint import consolidate
 from .config import OffloadConfig
+from .init import Init
 from .optimizer import Zero3Optimizer
+from .tiled import TiledLinear
 
-__all__ = ["OffloadConfig", "Zero3Optimizer"]
-
-from .checkpoint import consolidate  # noqa: E402
-
-__all__ += ["consolidate"]
+__all__ = ["Init", "OffloadConfig", "TiledLinear", "Zero3Optimizer", "consolidate"]
