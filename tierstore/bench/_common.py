@@ -120,7 +120,7 @@ def print_table(title: str, columns: list[str], rows: Iterable[Iterable], captio
         table.add_column(c, justify="left" if i == 0 else "right")
     for r in rows:
         table.add_row(*[str(x) for x in r])
-    Console(width=max(100, len(columns) * 14)).print(table)
+    Console(width=max(100, len(columns) * 19)).print(table)
 
 
 def ratio(a: float, b: float) -> str:
