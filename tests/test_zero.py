@@ -375,7 +375,10 @@ def test_dynamic8_states_on_nvme_are_small_and_train_within_2pct(tmp_path):
     loss_fn(m, x, torch.zeros(8, 4)).backward()
     opt.step()
     t = opt.store.tensor("s0.exp_avg")
-    assert t.encoded_nbytes < t.nbytes / 3  # 8 bits + a scale per block, not 32 bits
+    n = opt.layout.shard_numel(0)  # elements
+    assert t.dtype == torch.uint8 and t.nbytes < 4 * n / 3  # 8 bits + a scale per block, not 32 bits
+    st = opt.state_dict()["subgroups"][0]["state"]["exp_avg"]  # state dicts hold fp32
+    assert st.dtype == torch.float32 and st.numel() == n and st.abs().max() > 0
     opt.close()
     q, _ = train_loss(tmp_path / "c", states="nvme", state_codec="dynamic8", min_io_bytes=1 << 20,
                       sub_group_bytes=1 << 20)

@@ -15,6 +15,7 @@ BENCHMARKS = {
     "io": "sequential and small-request I/O vs fio and DeepSpeed aio",
     "store": "Store put+flush/get of many small and a few large tensors vs the raw engine and torch.save/load",
     "partition": "layout of GPT-2/7B shapes: I/O requests per rank, their size, padding vs one file per parameter",
+    "optim": "Zero3Optimizer step on host / NVMe / NVMe+8-bit vs fused torch AdamW, the raw disk and the compute",
 }
 
 

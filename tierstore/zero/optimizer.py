@@ -20,12 +20,14 @@ is stepped with a zero gradient (torch skips it), so weight decay and momentum s
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
+import threading
+from contextlib import ExitStack, contextmanager
 from typing import Any, Iterable
 
 import torch
@@ -42,6 +44,21 @@ log = logging.getLogger("tierstore.zero")
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Rprop", "ASGD")
 STATE_FORMAT = "tierstore.zero.optimizer/1"
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src. Same-dtype contiguous CPU tensors go through one memmove: the pipeline's reader and writer
+    threads then do not start OpenMP teams of their own next to the compute thread's (on a 2-core machine
+    that oversubscription made a 2 MB copy_ take ~1-7 ms instead of ~0.2)."""
+    if (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.is_contiguous()
+            and src.is_contiguous() and dst.numel() == src.numel()):
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+    else:
+        dst.copy_(src)
+
+
+def _numel(shape) -> int:  # elements
+    return math.prod(shape)
 
 
 def _check_elementwise(cls, elementwise_ok: bool) -> None:
@@ -159,7 +176,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self.store = Store(paths, device_budget=None if "device" in tiers else 0,
                            host_budget=None if "host" in tiers else 0, pinned_budget=config.pinned_bytes,
                            device=self.device)
-        self._codecs: dict[tuple[int, str], Any] = {}
+        self._qs: dict[tuple[int, str], tuple[str, int]] = {}  # (gid, state) -> (scheme, elements) when 8-bit
         self._policy = None
         if config.state_codec == "dynamic8":
             from ..quant.states import StatePolicy
@@ -192,6 +209,11 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self._scaler = _LossScaler(cdt == torch.float16, config.initial_loss_scale, config.loss_scale_window,
                                    config.min_loss_scale)
         self._pipeline = StepPipeline(config.pipeline_depth)
+        self._free_bufs: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._buf_lock = threading.Lock()
+        # the (de)quantization runs on the pipeline's helper threads, next to the step's compute: one
+        # thread each, so they take the cores the compute leaves instead of competing for all of them
+        self._qthreads = 1 if config.pipeline_depth > 1 else None
         self.steps = 0
         self.coordinator = ParamCoordinator(
             model, self.layout, self._params, self._fetch_param_shard, self._accumulate_grad, device=self.device,
@@ -272,13 +294,52 @@ class Zero3Optimizer(torch.optim.Optimizer):
         sq = float(torch.linalg.vector_norm(shard, dtype=torch.float64) ** 2)
         self._grad_stats[gid] = (sq, math.isfinite(sq))
 
-    def _codec(self, gid: int, key: str, t: torch.Tensor):
+    # [Note: 8-bit states]
+    # With state_codec="dynamic8" and states on nvme, exp_avg / exp_avg_sq of a sub-group (per
+    # quant.states.StatePolicy: block 256, signed / unsigned dynamic maps, tiny tensors kept fp32) are stored
+    # as one uint8 tensor: the fp32 absmax of each block, then the codes (the layout of quant.collectives).
+    # The optimizer quantizes and dequantizes itself, into recycled buffers, on the reader / writer threads:
+    # the store moves 1/4 of the bytes and no codec copies. Checkpoints and state_dict() hold fp32 states.
+
+    def _scheme(self, gid: int, key: str, t: torch.Tensor) -> str | None:
         if self._policy is None or self.config.optimizer_states != "nvme" or t.dim() != 1:
             return None
-        k = (gid, key)
-        if k not in self._codecs:
-            self._codecs[k] = self._policy.codec_for(key, t)
-        return self._codecs[k]
+        return self._policy.scheme_for(key, t)
+
+    def _packed_view(self, buf: torch.Tensor, scheme: str, n: int):
+        from ..quant.layout import num_blocks
+        from ..quant.quantized import Quantized
+        bs = self._policy.block_size
+        nb = num_blocks(n, bs)
+        return Quantized(scheme, bs, (n,), torch.float32, buf[4 * nb:], buf[:4 * nb].view(torch.float32))
+
+    def _packed_numel(self, scheme: str, n: int) -> int:  # bytes
+        from ..quant.layout import codes_nbytes, num_blocks
+        return 4 * num_blocks(n, self._policy.block_size) + codes_nbytes(scheme, n)
+
+    def _put_state(self, gid: int, key: str, v: torch.Tensor) -> None:
+        name = f"s{gid}.{key}"
+        scheme = self._scheme(gid, key, v)
+        if scheme is None:
+            self._qs.pop((gid, key), None)
+            self.store.put(name, v, tier=self.config.optimizer_states)
+            return
+        from ..quant.quantized import quantize
+        n = v.numel()
+        buf = self._buffer(self._packed_numel(scheme, n), torch.uint8)
+        with torch.profiler.record_function("tierstore::quantize_state"):
+            quantize(v, scheme, self._policy.block_size, out=self._packed_view(buf, scheme, n), nthreads=self._qthreads)
+        self.store.put(name, buf, tier=self.config.optimizer_states)
+        self._qs[(gid, key)] = (scheme, n)
+        self._recycle(buf)
+
+    def _unpack_state(self, gid: int, key: str, buf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        from ..quant.quantized import dequantize
+        scheme, n = self._qs[(gid, key)]
+        if out is None:
+            out = self._buffer(n, torch.float32)
+        with torch.profiler.record_function("tierstore::dequantize_state"):
+            return dequantize(self._packed_view(buf, scheme, n), out=out, nthreads=self._qthreads)
 
     # -- the step ------------------------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -335,28 +396,79 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self.steps += 1
         return loss
 
-    def _load_subgroup(self, gid: int) -> dict[str, torch.Tensor]:
+    # [Note: in place on memory tiers]
+    # A sub-group whose tensors live on a memory tier (device/host) is stepped on the tier's own copies:
+    # the load enters ``resident(tier, writeback=True)`` for each (no copy, pinned against eviction), the
+    # inner optimizer updates master and states in place, and the save leaves the blocks (on the writer
+    # thread). Only tensors on the nvme tier are read into buffers -- recycled between sub-groups, so the
+    # step allocates (and page-faults) nothing in steady state -- and written back with put().
+
+    def _on_memory(self, name: str, tier: str) -> bool:
+        return tier in ("device", "host") and tier in self.store.tensor(name).tiers
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with self._buf_lock:
+            free = self._free_bufs.get((numel, dtype))
+            if free:
+                return free.pop()
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def _recycle(self, t: torch.Tensor) -> None:
+        with self._buf_lock:
+            free = self._free_bufs.setdefault((t.numel(), t.dtype), [])
+            if len(free) < 2 * self.config.pipeline_depth:
+                free.append(t)
+
+    def _load_subgroup(self, gid: int) -> dict:
+        cfg = self.config
         keys = self._state_keys.get(gid, [])
-        names = [f"m{gid}", f"g{gid}"] + [f"s{gid}.{k}" for k in keys]
-        got = self.store.get_many(names, device=self.device)
-        out = {"master": got[f"m{gid}"], "grad": got[f"g{gid}"]}
-        out["state"] = {k: got[f"s{gid}.{k}"] for k in keys}
-        return out
+        roles = [("master", f"m{gid}", cfg.optimizer_states), ("grad", f"g{gid}", cfg.gradients)]
+        roles += [(k, f"s{gid}.{k}", cfg.optimizer_states) for k in keys]
+        stack = ExitStack()
+        got: dict[str, torch.Tensor] = {}
+        resident: set[str] = set()
+        disk: list[tuple[str, str]] = []
+        try:
+            for role, name, tier in roles:
+                if self._on_memory(name, tier):
+                    got[role] = stack.enter_context(self.store.tensor(name).resident(tier, writeback=True))
+                    resident.add(role)
+                else:
+                    disk.append((role, name))
+            if disk:
+                outs = []
+                for role, name in disk:
+                    t = self.store.tensor(name)
+                    outs.append(self._buffer(_numel(t.shape), t.dtype).view(t.shape))
+                read = self.store.get_many([n for _r, n in disk], out=outs)
+                for (role, name), o in zip(disk, outs):
+                    got[role] = read[name]
+                    if role not in ("master", "grad") and (gid, role) in self._qs:
+                        got[role] = self._unpack_state(gid, role, o)
+                        self._recycle(o)
+        except BaseException:
+            stack.close()
+            raise
+        return {"got": got, "resident": resident, "stack": stack, "keys": keys}
 
     def _step_subgroup(self, gid: int, t: dict, coef: float):
+        got = t["got"]
         ph = self._placeholder[gid]
-        ph.data = t["master"]
-        grad = t["grad"]
+        master = got["master"]
+        ph.data = master
+        grad = got["grad"]
+        if grad.device != master.device:
+            grad = grad.to(master.device)
         if coef != 1.0:
             grad.mul_(coef)
         ph.grad = grad
-        state = dict(t["state"])
+        state = {k: got[k] for k in t["keys"]}
         state.update(self._aux.get(gid, {}))
         if not state:
-            n = t["master"].numel()
+            n = master.numel()
             for k, v in self._templates[self._gid_group[gid]].items():
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == 1:
-                    state[k] = torch.full((n,), float(v[0]), dtype=v.dtype, device=self.device)
+                    state[k] = torch.full((n,), float(v[0]), dtype=v.dtype, device=master.device)
                 elif isinstance(v, torch.Tensor):
                     state[k] = v.clone()
                 else:
@@ -365,27 +477,47 @@ class Zero3Optimizer(torch.optim.Optimizer):
             self.inner.state[ph] = state
         try:
             self.inner.step()
+        except BaseException:
+            t["stack"].close()
+            raise
         finally:
             new_state = self.inner.state.pop(ph, {})
             master = ph.data
             ph.data = torch.empty(0, dtype=torch.float32, device=self.device)
             ph.grad = None
-        return master, new_state
+        t["new_state"] = new_state
+        t["master_out"] = master
+        return t
 
-    def _save_subgroup(self, gid: int, result) -> None:
-        master, state = result
+    def _save_subgroup(self, gid: int, t: dict) -> None:
         cfg = self.config
-        self.store.put(f"m{gid}", master, tier=cfg.optimizer_states)
-        self.store.put(f"p{gid}", master.to(cfg.compute_dtype), tier=cfg.params)
-        keys, aux = [], {}
-        for k, v in state.items():
-            if isinstance(v, torch.Tensor):
-                self.store.put(f"s{gid}.{k}", v, tier=cfg.optimizer_states, codec=self._codec(gid, k, v))
-                keys.append(k)
+        got, resident = t["got"], t["resident"]
+        try:
+            master = t["master_out"]
+            if "master" not in resident or master.data_ptr() != got["master"].data_ptr():
+                self.store.put(f"m{gid}", master, tier=cfg.optimizer_states)
+            pname = f"p{gid}"
+            if self._on_memory(pname, cfg.params):
+                with self.store.tensor(pname).resident(cfg.params, writeback=True) as p:
+                    _copy(p, master)
             else:
-                aux[k] = v
-        self._state_keys[gid] = keys
-        self._aux[gid] = aux
+                self.store.put(pname, master.to(cfg.compute_dtype), tier=cfg.params)
+            keys, aux = [], {}
+            for k, v in t["new_state"].items():
+                if isinstance(v, torch.Tensor):
+                    same = k in resident and got[k].data_ptr() == v.data_ptr()
+                    if not same:
+                        self._put_state(gid, k, v)
+                    keys.append(k)
+                else:
+                    aux[k] = v
+            self._state_keys[gid] = keys
+            self._aux[gid] = aux
+        finally:
+            t["stack"].close()
+            for role, v in got.items():
+                if role not in resident:
+                    self._recycle(v)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradient partitions (and any full .grad left on the model)."""
@@ -422,8 +554,11 @@ class Zero3Optimizer(torch.optim.Optimizer):
     def _export_subgroup(self, gid: int) -> dict:
         keys = self._state_keys.get(gid, [])
         got = self.store.get_many([f"m{gid}"] + [f"s{gid}.{k}" for k in keys], device="cpu")
-        return {"master": got[f"m{gid}"], "state": {k: got[f"s{gid}.{k}"] for k in keys},
-                "aux": dict(self._aux.get(gid, {}))}
+        state = {}
+        for k in keys:
+            v = got[f"s{gid}.{k}"]
+            state[k] = self._unpack_state(gid, k, v, torch.empty(self._qs[(gid, k)][1])) if (gid, k) in self._qs else v
+        return {"master": got[f"m{gid}"], "state": state, "aux": dict(self._aux.get(gid, {}))}
 
     def _import_subgroup(self, gid: int, master: torch.Tensor, state: dict, aux: dict) -> None:
         cfg = self.config
@@ -434,8 +569,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
             if f"s{gid}.{k}" in self.store:
                 self.store.delete(f"s{gid}.{k}")
         for k, v in state.items():
-            self.store.put(f"s{gid}.{k}", v.to(self.device), tier=cfg.optimizer_states,
-                           codec=self._codec(gid, k, v))
+            self._put_state(gid, k, v.to(self.device))
         self._state_keys[gid] = list(state)
         self._aux[gid] = dict(aux)
 
