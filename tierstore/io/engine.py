@@ -472,10 +472,9 @@ class Engine:
                 raise TierstoreValueError(f"offset={offset} must be >= 0")
             addr, nbytes, k = buffer_address(buffer, writable=op == READ)
             keep.append(k)
-            pieces.extend(self._pieces(None, op, f, addr, nbytes, offset))
+            pieces.extend(self._pieces(op, f, addr, nbytes, offset))
             total += nbytes
-        first = requests[0][1] if len(requests) == 1 else min((o for _, o in requests), default=0)
-        fut = IOFuture(op, f.path, first, total, keep)
+        fut = IOFuture(op, f.path, min((o for _, o in requests), default=0), total, keep)
         if not pieces:
             fut.set_result(0)
             return fut
@@ -488,7 +487,8 @@ class Engine:
         self._backend.submit_many(pieces)
         return fut
 
-    def _pieces(self, fut, op, f, addr, nbytes, offset):
+    def _pieces(self, op, f, addr, nbytes, offset):
+        """The pieces of one request (see [Note: requests and pieces]); their future is set by the caller."""
         bs = self.block_size
         for part, phys, boff, length in f.map(offset, nbytes):
             a = addr + boff
@@ -498,9 +498,9 @@ class Engine:
                 aligned = n - n % ALIGN if (part.direct_fd is not None and pa % ALIGN == 0
                                              and po % ALIGN == 0) else 0
                 if aligned:
-                    yield _Piece(fut, op, part, part.direct_fd, pa, aligned, po, True)
+                    yield _Piece(None, op, part, part.direct_fd, pa, aligned, po, True)
                 if n - aligned:
-                    yield _Piece(fut, op, part, part.fd, pa + aligned, n - aligned, po + aligned, False)
+                    yield _Piece(None, op, part, part.fd, pa + aligned, n - aligned, po + aligned, False)
 
     def _on_done(self, fut: IOFuture) -> None:
         with self._lock:
