@@ -181,6 +181,10 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if config.state_codec == "dynamic8":
             from ..quant.states import StatePolicy
             self._policy = StatePolicy.make()
+        # [Note: shared master] With fp32 compute and parameters on the same tier as the optimizer states,
+        # the parameter shard would be a byte-for-byte copy of the master: the master is gathered instead,
+        # and the step writes one tensor, not two.
+        self._shared_master = cdt == torch.float32 and config.params == config.optimizer_states
         # -- shards -----------------------------------------------------------------------------------
         self._fill_shards()
         # -- inner optimizer over placeholders --------------------------------------------------------
@@ -278,12 +282,15 @@ class Zero3Optimizer(torch.optim.Optimizer):
                     at = pc.param_offset + start - pc.offset
                     master[start - lo:stop - lo].copy_(values[pc.name].reshape(-1)[at:at + stop - start])
                 del values
-                self.store.put(f"p{gid}", master.to(cfg.compute_dtype), tier=cfg.params)
                 if gl.trainable:
                     self.store.put(f"m{gid}", master, tier=cfg.optimizer_states)
+                if not (gl.trainable and self._shared_master):
+                    self.store.put(f"p{gid}", master.to(cfg.compute_dtype), tier=cfg.params)
 
     # -- store access --------------------------------------------------------------------------------------
     def _fetch_param_shard(self, gid: int) -> torch.Tensor:
+        if self._shared_master and self.layout.group_of(gid).trainable:
+            return self.store.get(f"m{gid}")
         return self.store.get(f"p{gid}")
 
     def _accumulate_grad(self, gid: int, shard: torch.Tensor) -> None:
@@ -497,7 +504,9 @@ class Zero3Optimizer(torch.optim.Optimizer):
             if "master" not in resident or master.data_ptr() != got["master"].data_ptr():
                 self.store.put(f"m{gid}", master, tier=cfg.optimizer_states)
             pname = f"p{gid}"
-            if self._on_memory(pname, cfg.params):
+            if self._shared_master:
+                pass
+            elif self._on_memory(pname, cfg.params):
                 with self.store.tensor(pname).resident(cfg.params, writeback=True) as p:
                     _copy(p, master)
             else:
@@ -564,7 +573,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         cfg = self.config
         master = master.to(self.device, torch.float32)
         self.store.put(f"m{gid}", master, tier=cfg.optimizer_states)
-        self.store.put(f"p{gid}", master.to(cfg.compute_dtype), tier=cfg.params)
+        if not self._shared_master:
+            self.store.put(f"p{gid}", master.to(cfg.compute_dtype), tier=cfg.params)
         for k in self._state_keys.get(gid, []):
             if f"s{gid}.{k}" in self.store:
                 self.store.delete(f"s{gid}.{k}")
