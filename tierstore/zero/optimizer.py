@@ -213,6 +213,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self._scaler = _LossScaler(cdt == torch.float16, config.initial_loss_scale, config.loss_scale_window,
                                    config.min_loss_scale)
         self._pipeline = StepPipeline(config.pipeline_depth)
+        self._inline = StepPipeline(1)  # nothing on nvme: the reads and writes are pointer moves, threads only cost
         self._free_bufs: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._buf_lock = threading.Lock()
         # the (de)quantization runs on the pipeline's helper threads, next to the step's compute: one
@@ -396,7 +397,9 @@ class Zero3Optimizer(torch.optim.Optimizer):
                 self.zero_grad()
                 return loss
         coef = self._clip_coef / self._scaler.scale
-        self._pipeline.run(self.layout.trainable_gids(), self._load_subgroup,
+        on_disk = "nvme" in (self.config.optimizer_states, self.config.gradients) or (
+            self.config.params == "nvme" and not self._shared_master)
+        (self._pipeline if on_disk else self._inline).run(self.layout.trainable_gids(), self._load_subgroup,
                            lambda gid, t: self._step_subgroup(gid, t, coef), self._save_subgroup)
         self._scaler.update(False)
         self._clip_coef = 1.0
