@@ -432,3 +432,20 @@ def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(tmp_path):
         opt2.close()
     finally:
         opt.close()
+
+
+def test_eval_under_no_grad_matches_and_releases(tmp_path):
+    ref_m, z_m = make_pair()
+    opt = Zero3Optimizer(z_m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path, "nvme", "host", "host"))
+    try:
+        x, _ = batches(1)[0]
+        with torch.no_grad():
+            assert torch.equal(z_m(x), ref_m(x))
+        assert all(p.numel() == 0 for p in z_m.parameters()) and not opt.coordinator._live
+        with opt.gathered():
+            assert torch.equal(z_m.fc2.weight, ref_m.fc2.weight)
+        assert all(p.numel() == 0 for p in z_m.parameters())
+        opt.step()  # no backward since zero_grad: nothing to do, like torch
+        assert torch.equal(opt.full_state_dict()["fc1.weight"], ref_m.fc1.weight)
+    finally:
+        opt.close()

@@ -56,6 +56,24 @@ def odd_loss(m, idx, tgt):
     return nn.functional.cross_entropy(m(idx).reshape(-1, 10), tgt.reshape(-1))
 
 
+class TwoHeads(nn.Module):
+    """Both heads run on every rank, but rank r's loss uses head r % 2 only: which parameters get gradients
+    differs between ranks (the reduce-scatter sequence must not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.heads = nn.ModuleList(nn.Linear(16, 4) for _ in range(2))
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return [head(h) for head in self.heads]
+
+
+def two_heads_loss(outs, y, rank):
+    return ((outs[rank % 2] - y) ** 2).mean()
+
+
 def teacher_data(n, seed=7):
     """A learnable regression task (a random teacher network), so the final loss is meaningful."""
     torch.manual_seed(seed)
@@ -138,7 +156,21 @@ def sc_checkpoint(rank, world, root):
     return out
 
 
-SCENARIOS = {"parity": sc_parity, "odd": sc_odd, "quant": sc_quant, "checkpoint": sc_checkpoint}
+def sc_two_heads(rank, world, root):
+    torch.manual_seed(0)
+    m = TwoHeads()
+    opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, momentum=0.9,
+                         config=cfg(root + "/two", params="nvme", optimizer_states="host", gradients="host"))
+    for x, y in batches(STEPS):
+        two_heads_loss(m(x.chunk(world)[rank]), y.chunk(world)[rank], rank).backward()
+        opt.step()
+        opt.zero_grad()
+    out = opt.full_state_dict()
+    opt.close()
+    return out
+
+
+SCENARIOS = {"two_heads": sc_two_heads, "parity": sc_parity, "odd": sc_odd, "quant": sc_quant, "checkpoint": sc_checkpoint}
 
 
 def _worker(rank, world, port, root, names):
@@ -196,7 +228,7 @@ def results_for(world, tmp_path_factory):
     """One spawn per world size runs every scenario (world 4 leaves out the quantized run: time budget)."""
     if world not in _RUNS:
         root = tmp_path_factory.mktemp(f"world{world}")
-        names = list(SCENARIOS) if world == 2 else ["parity", "odd", "checkpoint"]
+        names = list(SCENARIOS) if world == 2 else ["two_heads", "parity", "odd", "checkpoint"]
         _RUNS[world] = (world, str(root), run_world(world, root, names))
     return _RUNS[world]
 
@@ -263,3 +295,19 @@ def _as_module(state):
     m = Net()
     m.load_state_dict(state)
     return m
+
+
+def test_rank_dependent_unused_parameters_do_not_hang(world_results):
+    """Each rank leaves a different head without gradient; the result equals the mean of the ranks' losses
+    on one process (SGD: a zero gradient leaves a parameter where torch's skip would, momentum included)."""
+    world, _root, res = world_results
+    torch.manual_seed(0)
+    ref = TwoHeads()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches(STEPS):
+        loss = sum(two_heads_loss(ref(xc), yc, r) for r, (xc, yc) in enumerate(zip(x.chunk(world), y.chunk(world))))
+        (loss / world).backward()
+        opt.step()
+        opt.zero_grad()
+    rel = max_rel(res[0]["two_heads"], ref)
+    assert rel <= 1e-5, rel
