@@ -216,9 +216,10 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self._inline = StepPipeline(1)  # nothing on nvme: the reads and writes are pointer moves, threads only cost
         self._free_bufs: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._buf_lock = threading.Lock()
-        # the (de)quantization runs on the pipeline's helper threads, next to the step's compute: one
-        # thread each, so they take the cores the compute leaves instead of competing for all of them
-        self._qthreads = 1 if config.pipeline_depth > 1 else None
+        # threads of the (de)quantization kernels on the pipeline's helper threads: None = the kernel's own
+        # default (all cores). One thread each was tried (to leave the compute its cores): 8-bit steps were
+        # 10-25% slower on the 2-core development machine, so the default stays.
+        self._qthreads = None
         self.steps = 0
         self.coordinator = ParamCoordinator(
             model, self.layout, self._params, self._fetch_param_shard, self._accumulate_grad, device=self.device,
