@@ -170,7 +170,21 @@ def sc_two_heads(rank, world, root):
     return out
 
 
-SCENARIOS = {"two_heads": sc_two_heads, "parity": sc_parity, "odd": sc_odd, "quant": sc_quant, "checkpoint": sc_checkpoint}
+def sc_resume_other_world(rank, world, root):
+    """Load the checkpoint the world-2 run wrote (path in <root>/from2) and train the next STEPS here."""
+    src = open(os.path.join(root, "from2")).read()
+    _, m = make_pair(seed=4)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=3.0, config=cfg(root + "/resume", params="host",
+                                                                   optimizer_states="host", gradients="nvme"))
+    opt.load_checkpoint(src)
+    assert opt.steps == STEPS
+    train(m, opt, batches(2 * STEPS)[STEPS:], rank, world)
+    out = opt.full_state_dict()
+    opt.close()
+    return out
+
+
+SCENARIOS = {"resume_other_world": sc_resume_other_world, "two_heads": sc_two_heads, "parity": sc_parity, "odd": sc_odd, "quant": sc_quant, "checkpoint": sc_checkpoint}
 
 
 def _worker(rank, world, port, root, names):
@@ -228,7 +242,11 @@ def results_for(world, tmp_path_factory):
     """One spawn per world size runs every scenario (world 4 leaves out the quantized run: time budget)."""
     if world not in _RUNS:
         root = tmp_path_factory.mktemp(f"world{world}")
-        names = list(SCENARIOS) if world == 2 else ["two_heads", "parity", "odd", "checkpoint"]
+        if world == 2:
+            names = [n for n in SCENARIOS if n != "resume_other_world"]
+        else:  # world 4 also resumes from the checkpoint world 2 wrote
+            (root / "from2").write_text(os.path.join(results_for(2, tmp_path_factory)[1], "ckpt"))
+            names = ["resume_other_world", "two_heads", "parity", "odd", "checkpoint"]
         _RUNS[world] = (world, str(root), run_world(world, root, names))
     return _RUNS[world]
 
@@ -310,4 +328,15 @@ def test_rank_dependent_unused_parameters_do_not_hang(world_results):
         opt.step()
         opt.zero_grad()
     rel = max_rel(res[0]["two_heads"], ref)
+    assert rel <= 1e-5, rel
+
+
+def test_checkpoint_from_world_2_resumes_at_world_4(tmp_path_factory):
+    """10 steps at world 2, checkpoint, 10 more at world 2 == load at world 4 (other tiers) + the same 10."""
+    _w, _r, res2 = results_for(2, tmp_path_factory)
+    _w, _r, res4 = results_for(4, tmp_path_factory)
+    want = _as_module(res2[0]["checkpoint"])
+    got = res4[0]["resume_other_world"]
+    rel = max_rel(got, want)
+    print(f"world 2 -> 4 resume: max relative difference {rel:.2e}")
     assert rel <= 1e-5, rel
