@@ -449,3 +449,16 @@ def test_eval_under_no_grad_matches_and_releases(tmp_path):
         assert torch.equal(opt.full_state_dict()["fc1.weight"], ref_m.fc1.weight)
     finally:
         opt.close()
+
+
+def test_bench_optim_runs_small(tmp_path):
+    import json
+
+    from tierstore.cli import main
+    rc = main(["bench", "optim", "--params", "400000", "--tensors", "4", "--sub-group", "256K", "--pinned", "8M",
+               "--rounds", "1", "--dir", str(tmp_path), "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert set(r["median_s"]) == {"ref", "host", "nvme", "nvme8", "compute", "read", "write", "readwrite"}
+    assert r["subgroups"] >= 3 and all(v > 0 for v in r["median_s"].values())
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # the benchmark removed its files
