@@ -75,6 +75,8 @@ class ParamCoordinator:
         self._in_forward = 0
         self.gathers = 0  # all-gathers issued (for tests)
         self.prefetch_hits = 0
+        self.prefetch_hits_backward = 0
+        self._bw_pos: int | None = None  # backward's position in the trace (walked in reverse)
         self._handles: list = []
         self._install()
 
@@ -174,6 +176,7 @@ class ParamCoordinator:
         if self._in_forward == 0:
             self.trace.begin()
             self._users.clear()
+            self._bw_pos = None
         self._in_forward += 1
 
     def _root_post(self, module, args, output) -> None:
@@ -194,7 +197,7 @@ class ParamCoordinator:
         gids = self._module_gids[id(module)]
         if torch.is_grad_enabled():
             # the backward pre-hook: a hook on each output's gradient runs before the module's backward
-            hook = _BackwardGather(self, gids)
+            hook = _BackwardGather(self, id(module), gids)
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(hook)
@@ -218,9 +221,29 @@ class ParamCoordinator:
             self._cb_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
-    def _pre_backward(self, gids) -> None:
+    def _pre_backward(self, mid: int, gids) -> None:
         self._queue_end_callback()
+        hits = self.prefetch_hits
         self.gather(gids)
+        self.prefetch_hits_backward += self.prefetch_hits - hits
+        self._prefetch_backward(mid)
+
+    def _prefetch_backward(self, mid: int) -> None:
+        """Backward runs the traced order in reverse: read up the shards of the `prefetch_depth` modules
+        before `mid` in the trace (local reads only, as in forward; see [Note: trace] in prefetch.py)."""
+        order = self.trace.order
+        if self._executor is None or self.trace.recording or not order:
+            return
+        j = self._bw_pos - 1 if self._bw_pos is not None else len(order) - 1
+        while j >= 0 and order[j] != mid:
+            j -= 1
+        if j < 0:
+            return  # not in the trace (an order change): no prediction
+        self._bw_pos = j
+        for prev in reversed(order[max(0, j - self.prefetch_depth):j]):
+            for gid in self._module_gids.get(prev, ()):
+                if gid not in self._live and gid not in self._prefetched:
+                    self._prefetched[gid] = self._executor.submit(self.fetch_shard, gid)
 
     def _grad_done(self, p: torch.Tensor) -> None:
         self._queue_end_callback()
@@ -235,6 +258,7 @@ class ParamCoordinator:
 
     def _backward_end(self) -> None:
         self._cb_queued = False
+        self._bw_pos = None
         try:
             self.reduce_gradients()
         finally:
@@ -243,6 +267,7 @@ class ParamCoordinator:
             for gid in list(self._live):
                 if self._users.get(gid, 0) <= 0:
                     self.release(gid)
+            self._drop_prefetched()
 
     def reduce_gradients(self) -> None:
         """Reduce-scatter every trainable bucket's gradient into the sink. See [Note: gradient reduce-scatter]."""
@@ -267,14 +292,15 @@ class ParamCoordinator:
 class _BackwardGather:
     """Gradient hook on a module's outputs: gathers the module's buckets before its backward runs."""
 
-    __slots__ = ("coord", "gids")
+    __slots__ = ("coord", "mid", "gids")
 
-    def __init__(self, coord: ParamCoordinator, gids: list[int]):
+    def __init__(self, coord: ParamCoordinator, mid: int, gids: list[int]):
         self.coord = coord
+        self.mid = mid
         self.gids = gids
 
     def __call__(self, grad):
-        self.coord._pre_backward(self.gids)
+        self.coord._pre_backward(self.mid, self.gids)
         return None
 
 

@@ -8,7 +8,9 @@ overlapped with the compute of module i. Only *local* reads are prefetched, neve
 order diverged (a data-dependent branch, a frozen layer) must not post an all-gather the others do not, so
 a wrong prediction costs a wasted read and never a hang. When the observed module differs from the
 prediction, the trace is cut there and re-recorded from that point (a DEBUG log line on tierstore.zero
-says where); prefetches that were not used are dropped at the end of the forward.
+says where); prefetches that were not used are dropped at the end of the forward. Backward walks the same
+trace in reverse: when a module's backward gathers, the shards of the `depth` modules before it in the
+trace are read up (dropped at the end of backward if unused).
 """
 from __future__ import annotations
 
