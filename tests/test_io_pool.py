@@ -27,6 +27,21 @@ def test_buffers_are_aligned_locked_and_within_budget():
         b.release()
 
 
+def test_pool_memory_asks_for_huge_pages():
+    """The mapping starts on a 2 MiB boundary and is advised for transparent huge pages where THP exists."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read()
+    except OSError:
+        thp = "[never]"
+    with BufferPool(8 << 20, 2 << 20) as pool:
+        assert pool.base_addr % (2 << 20) == 0
+        assert pool.huge_pages == ("[never]" not in thp)
+        with pool.lease() as b:  # the views still start where the buffers do
+            assert b.tensor().data_ptr() == b.addr
+            assert len(b.memoryview()) == b.nbytes
+
+
 def test_empty_pool_makes_the_caller_wait():
     with BufferPool(1 << 20, 1 << 20, lock=False) as pool:
         held = pool.lease()

@@ -27,6 +27,9 @@ ALIGN = 4096  # bytes: O_DIRECT alignment used everywhere
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+HUGE = 2 << 20  # bytes: a transparent huge page on x86_64 and most arm64 kernels
+MADV_HUGEPAGE = 14
 
 
 def memlock_limit() -> int | None:
@@ -60,7 +63,7 @@ class Buffer:
     def memoryview(self) -> memoryview:
         self._check()
         start = self.index * self.pool.buffer_bytes
-        return memoryview(self.pool._mm)[start:start + self.nbytes]
+        return memoryview(self.pool._mm)[self.pool._off + start:self.pool._off + start + self.nbytes]
 
     def _check(self) -> None:
         if self._released:
@@ -101,9 +104,16 @@ class BufferPool:
         self.buffer_bytes = buffer_bytes  # bytes
         self.count = budget_bytes // buffer_bytes
         self.nbytes = self.count * buffer_bytes  # bytes actually reserved (<= budget)
-        self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.base_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
-        self._u8 = torch.frombuffer(self._mm, dtype=torch.uint8)
+        # [Note: huge pages] The mapping starts on a 2 MiB boundary and asks for transparent huge pages
+        # before its first touch: an O_DIRECT request then pins a few huge pages instead of 256 small ones
+        # per MiB. On the 2-core development VM this took 1 MiB O_DIRECT writes from ~1.1 to ~1.8 GiB/s
+        # (same run, A B A B). Best effort: where THP is off, the pool works on small pages.
+        self._mm = mmap.mmap(-1, self.nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        self._off = (-start) % HUGE  # bytes skipped to reach the 2 MiB boundary
+        self.base_addr = start + self._off
+        self.huge_pages = _libc.madvise(self.base_addr, self.nbytes, MADV_HUGEPAGE) == 0
+        self._u8 = torch.frombuffer(self._mm, dtype=torch.uint8)[self._off:self._off + self.nbytes]
         self.locked = False
         self._cuda_registered = False
         if lock:
