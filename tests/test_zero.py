@@ -462,3 +462,49 @@ def test_bench_optim_runs_small(tmp_path):
     assert set(r["median_s"]) == {"ref", "host", "nvme", "nvme8", "compute", "read", "write", "readwrite"}
     assert r["subgroups"] >= 3 and all(v > 0 for v in r["median_s"].values())
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # the benchmark removed its files
+
+
+def test_external_parameter_used_by_another_module(tmp_path):
+    from tierstore.zero import register_external_parameter
+
+    class Head(nn.Module):
+        def __init__(self, emb):
+            super().__init__()
+            self._emb = [emb]  # a reference, not a registered submodule
+
+        def forward(self, h):
+            return nn.functional.linear(h, self._emb[0].weight)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.mix = nn.Linear(8, 8)
+            self.head = Head(self.emb)
+
+        def forward(self, idx):
+            return self.head(torch.tanh(self.mix(self.emb(idx))))
+
+    torch.manual_seed(0)
+    ref = Model()
+    m = copy.deepcopy(ref)
+    m.head._emb = [m.emb]
+    idx = torch.randint(0, 10, (4, 3))
+    tgt = torch.randint(0, 10, (4, 3))
+    opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path / "a", min_io_bytes=0))
+    with pytest.raises(RuntimeError):  # undeclared: the weight is released (empty) when the head runs
+        m(idx)
+    assert opt.coordinator._in_forward == 0 and not opt.coordinator._live  # the failed forward cleaned up
+    opt.close()
+    m = copy.deepcopy(ref)
+    m.head._emb = [m.emb]
+    register_external_parameter(m.head, m.emb.weight)
+    opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path / "b", min_io_bytes=0))
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for mm, o in ((ref, ropt), (m, opt)):
+        for _ in range(3):
+            nn.functional.cross_entropy(mm(idx).reshape(-1, 10), tgt.reshape(-1)).backward()
+            o.step()
+            o.zero_grad()
+    assert max_rel(opt.full_state_dict(), ref) <= 1e-6
+    opt.close()

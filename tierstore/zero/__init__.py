@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from .checkpoint import consolidate
 from .config import OffloadConfig
+from .hooks import register_external_parameter
 from .init import Init
 from .optimizer import Zero3Optimizer
 from .tiled import TiledLinear
 
-__all__ = ["Init", "OffloadConfig", "TiledLinear", "Zero3Optimizer", "consolidate"]
+__all__ = ["Init", "OffloadConfig", "TiledLinear", "Zero3Optimizer", "consolidate", "register_external_parameter"]

@@ -84,15 +84,17 @@ class ParamCoordinator:
     def _install(self) -> None:
         root = self.model
         self._handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
-        self._handles.append(root.register_forward_hook(self._root_post))
+        self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
         for m in root.modules():
-            names = [self._name_of[id(p)] for p in m._parameters.values() if p is not None and id(p) in self._name_of]
+            own = [p for p in m._parameters.values() if p is not None]
+            own += list(m.__dict__.get("_tierstore_external", ()))
+            names = list(dict.fromkeys(self._name_of[id(p)] for p in own if id(p) in self._name_of))
             if not names:
                 continue
             gids = sorted({g for n in names for g in self.layout.param_gids[n]})
             self._module_gids[id(m)] = gids
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(m.register_forward_hook(self._post_forward))
+            self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
         for n, p in self.params.items():
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_done))
@@ -287,6 +289,15 @@ class ParamCoordinator:
             if gl.trainable:
                 for n in gl.names:
                     self.params[n].grad = None
+
+
+def register_external_parameter(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+    """Declare that `module`'s forward uses `param`, a parameter registered on another module (for example a
+    head reading the embedding's weight through a reference). Its buckets are then gathered around
+    `module`'s forward and backward too. Call before building the Zero3Optimizer."""
+    ext = module.__dict__.setdefault("_tierstore_external", [])
+    if not any(p is param for p in ext):
+        ext.append(param)
 
 
 class _BackwardGather:
