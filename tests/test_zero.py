@@ -129,6 +129,7 @@ def test_params_really_leave_the_model_and_states_live_in_the_store(tmp_path):
         x, y = batches(1)[0]
         loss_fn(m, x, y).backward()
         assert all(p.numel() == 0 and p.grad is None for p in m.parameters())
+        assert opt.coordinator.eager_reductions == len(opt.layout.trainable_gids())  # world 1: during backward
         opt.step()
         keys = set(opt.store.keys())
         gid = opt.layout.trainable_gids()[0]

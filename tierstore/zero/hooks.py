@@ -20,8 +20,11 @@ sequence of collectives is therefore the same on every rank whatever parameters 
 keeps a data-dependent branch or an unused parameter from hanging the group. The mean over ranks (qgZ int4
 when enabled) lands in this rank's fp32 gradient partition, added to what earlier micro-batches left there
 (gradient accumulation); the full-size ``.grad`` tensors are then dropped.
-Cost of that choice: full gradients of one backward exist at once before the reduce-scatter; reducing a
-bucket as soon as it completes would bound that, at the price of a per-rank-identical completion order.
+Cost of that choice at world size > 1: full gradients of one backward exist at once before the
+reduce-scatter. Reducing a bucket as soon as it completes is not safe there: a rank blocked in an early
+reduce-scatter can wait on a rank that is itself waiting in a backward all-gather (deadlock) whenever the
+ranks' completion orders differ. At world size 1 there is no collective, so each bucket's gradient goes to
+the partition (and the full .grad tensors are dropped) as soon as its last parameter's gradient lands.
 """
 from __future__ import annotations
 
@@ -71,6 +74,9 @@ class ParamCoordinator:
             self._trainable_in[gid] = len(set(p.name for p in layout.bucket(gid).pieces))
         self._done: dict[int, int] = {}
         self._seen: set[str] = set()
+        self._reduced: set[int] = set()  # buckets already reduced in this backward (world size 1 only)
+        self._world = _dist.world_and_rank(group)[0]
+        self.eager_reductions = 0
         self._cb_queued = False
         self._in_forward = 0
         self.gathers = 0  # all-gathers issued (for tests)
@@ -255,8 +261,13 @@ class ParamCoordinator:
         self._seen.add(name)
         for gid in self.layout.param_gids[name]:
             self._done[gid] = self._done.get(gid, 0) + 1
-            if self._done[gid] >= self._trainable_in.get(gid, 1 << 62) and self._users.get(gid, 0) <= 0:
-                self.release(gid)
+            if self._done[gid] >= self._trainable_in.get(gid, 1 << 62):
+                if self._users.get(gid, 0) <= 0:
+                    self.release(gid)
+                if self._world == 1:  # no collective: the bucket's gradient can leave memory right away
+                    self._reduce_bucket(gid)
+                    self._reduced.add(gid)
+                    self.eager_reductions += 1
 
     def _backward_end(self) -> None:
         self._cb_queued = False
@@ -264,6 +275,7 @@ class ParamCoordinator:
         try:
             self.reduce_gradients()
         finally:
+            self._reduced.clear()
             self._seen.clear()
             self._done.clear()
             for gid in list(self._live):
@@ -274,21 +286,29 @@ class ParamCoordinator:
     def reduce_gradients(self) -> None:
         """Reduce-scatter every trainable bucket's gradient into the sink. See [Note: gradient reduce-scatter]."""
         for gid in self.layout.trainable_gids():
-            b = self.layout.bucket(gid)
-            flat = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
-            for piece in b.pieces:
-                g = self.params[piece.name].grad
-                if g is not None:
-                    flat[piece.offset:piece.end].copy_(g.reshape(-1)[piece.param_offset:piece.param_offset + piece.numel])
-            with torch.profiler.record_function("tierstore::reduce_scatter"):
-                shard = _dist.reduce_scatter_avg(flat, self.group, quantized=self.qgz,
-                                                 intra_node_size=self.intra_node_size)
-            del flat
-            self.grad_sink(gid, shard)
+            if gid not in self._reduced:
+                self._reduce_bucket(gid)
         for gl in self.layout.groups:
             if gl.trainable:
                 for n in gl.names:
                     self.params[n].grad = None
+
+    def _reduce_bucket(self, gid: int) -> None:
+        b = self.layout.bucket(gid)
+        flat = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
+        for piece in b.pieces:
+            g = self.params[piece.name].grad
+            if g is not None:
+                flat[piece.offset:piece.end].copy_(g.reshape(-1)[piece.param_offset:piece.param_offset + piece.numel])
+        with torch.profiler.record_function("tierstore::reduce_scatter"):
+            shard = _dist.reduce_scatter_avg(flat, self.group, quantized=self.qgz,
+                                             intra_node_size=self.intra_node_size)
+        del flat
+        self.grad_sink(gid, shard)
+        if self._world == 1:  # drop the full gradients now (a split parameter: once all its buckets are done)
+            for piece in b.pieces:
+                if all(g in self._reduced or g == gid for g in self.layout.param_gids[piece.name]):
+                    self.params[piece.name].grad = None
 
 
 def register_external_parameter(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
