@@ -509,3 +509,12 @@ def test_external_parameter_used_by_another_module(tmp_path):
             o.zero_grad()
     assert max_rel(opt.full_state_dict(), ref) <= 1e-6
     opt.close()
+
+
+def test_add_param_group_after_construction_is_refused(tmp_path):
+    from tierstore.errors import MisuseError
+    _, m = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path))
+    with pytest.raises(MisuseError, match="param_groups"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    opt.close()

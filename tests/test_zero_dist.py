@@ -74,12 +74,15 @@ def two_heads_loss(outs, y, rank):
     return ((outs[rank % 2] - y) ** 2).mean()
 
 
+QD, QH = 64, 128  # the quantized runs' model: fc2's shard (128 x 128 / world) reaches the 8-bit state minimum
+
+
 def teacher_data(n, seed=7):
     """A learnable regression task (a random teacher network), so the final loss is meaningful."""
     torch.manual_seed(seed)
-    teacher = Net()
+    teacher = Net(d=QD, h=QH)
     g = torch.Generator().manual_seed(seed + 1)
-    xs = [torch.randn(32, 16, generator=g) for _ in range(n)]
+    xs = [torch.randn(32, QD, generator=g) for _ in range(n)]
     with torch.no_grad():
         return [(x, teacher(x)) for x in xs]
 
@@ -130,14 +133,23 @@ def sc_quant(rank, world, root):
     """fp32 vs qwZ + qgZ + 8-bit states on nvme: final held-out loss."""
     data = teacher_data(26)
     res = {}
-    for name, kw in (("fp32", {}), ("quant", dict(quantized_weights=True, quantized_gradients=True,
-                                                 state_codec="dynamic8", optimizer_states="nvme"))):
+    local = 2 if world == 4 else None  # world 4: qgZ's two stages (2 "nodes" of 2 ranks)
+    runs = [("fp32", {}), ("quant", dict(quantized_weights=True, quantized_gradients=True, state_codec="dynamic8",
+                                         optimizer_states="nvme", intra_node_size=local))]
+    if world == 4:  # each technique alone, to say which one costs what
+        runs += [("qwZ", dict(quantized_weights=True)),
+                 ("qgZ", dict(quantized_gradients=True, intra_node_size=local)),
+                 ("dynamic8", dict(state_codec="dynamic8", optimizer_states="nvme"))]
+    for name, kw in runs:
         torch.manual_seed(0)
-        m = Net()
-        opt = Zero3Optimizer(m, torch.optim.AdamW, lr=5e-3, config=cfg(root + "/q" + name, min_io_bytes=0, **kw))
+        m = Net(d=QD, h=QH)
+        opt = Zero3Optimizer(m, torch.optim.AdamW, lr=3e-3, config=cfg(root + "/q" + name, min_io_bytes=0,
+                                                                       sub_group_bytes=1 << 20, **kw))
         train(m, opt, data[:25], rank, world)
         with torch.no_grad():
             res[name] = float(loss_fn(m, *data[25]))
+        if kw.get("state_codec"):
+            res[name + ".8bit_states"] = len(opt._qs)  # states really stored in 8 bits
         opt.close()
     return res
 
@@ -246,7 +258,7 @@ def results_for(world, tmp_path_factory):
             names = [n for n in SCENARIOS if n != "resume_other_world"]
         else:  # world 4 also resumes from the checkpoint world 2 wrote
             (root / "from2").write_text(os.path.join(results_for(2, tmp_path_factory)[1], "ckpt"))
-            names = ["resume_other_world", "two_heads", "parity", "odd", "checkpoint"]
+            names = ["resume_other_world", "two_heads", "parity", "odd", "checkpoint", "quant"]
         _RUNS[world] = (world, str(root), run_world(world, root, names))
     return _RUNS[world]
 
@@ -286,12 +298,19 @@ def test_unused_tied_and_reused_modules(world_results):
     assert rel <= 1e-5, rel
 
 
-def test_quantized_collectives_and_8bit_states_loss(tmp_path_factory):
-    world, _root, res = results_for(2, tmp_path_factory)
+def test_quantized_collectives_and_8bit_states_loss(world_results):
+    """Target (issue 6): final loss within 2% of fp32, for everything on together and (world 4, where qgZ runs
+    its two stages over 2 "nodes" of 2 ranks) each technique alone. The model is wide enough that fc2's
+    state shards reach the 8-bit minimum (4096 elements); with a 16/32-wide model qgZ alone moved the loss
+    +3.6% at world 4 (int4 error relative to tiny buckets), noted in docs/zero.md."""
+    world, _root, res = world_results
     q = res[0]["quant"]
-    print(f"world {world}: held-out loss fp32 {q['fp32']:.5f}, qwZ+qgZ+dynamic8 {q['quant']:.5f} "
-          f"({100 * (q['quant'] / q['fp32'] - 1):+.2f}%)")
-    assert abs(q["quant"] / q["fp32"] - 1) <= 0.02, q
+    assert q["quant.8bit_states"] >= 2  # exp_avg and exp_avg_sq of at least one sub-group
+    q = {k: v for k, v in q.items() if not k.endswith(".8bit_states")}
+    rel = {k: q[k] / q["fp32"] - 1 for k in q if k != "fp32"}
+    print(f"world {world}: held-out loss fp32 {q['fp32']:.5f}; " +
+          ", ".join(f"{k} {q[k]:.5f} ({100 * v:+.2f}%)" for k, v in rel.items()))
+    assert all(abs(v) <= 0.02 for v in rel.values()), q
 
 
 def test_checkpoint_from_world_n_resumes_at_world_1_on_other_tiers(world_results, tmp_path):

@@ -204,7 +204,9 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self.inner = optimizer_class(inner_groups, **optimizer_kwargs)
         self.inner.state.clear()  # eager states of 0-element placeholders; real ones come from _templates
         self._templates = [self._state_template(optimizer_class, g, optimizer_kwargs) for g in inner_groups]
+        self._constructing = True
         super().__init__(self.inner.param_groups, self.inner.defaults)
+        self._constructing = False
         self.param_groups = self.inner.param_groups  # the same dicts: LR schedulers drive the inner optimizer
         self._state_keys: dict[int, list[str]] = {}
         self._aux: dict[int, dict] = {}
@@ -233,6 +235,12 @@ class Zero3Optimizer(torch.optim.Optimizer):
             if hasattr(p, "_tierstore_init"):
                 p._tierstore_init.discard()
                 del p._tierstore_init
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_constructing", False):
+            return super().add_param_group(param_group)
+        raise MisuseError("Zero3Optimizer partitions its parameters when it is built; add_param_group cannot "
+                          "add more later. Pass every group with param_groups=[...] to the constructor")
 
     # -- construction helpers ---------------------------------------------------------------------------
     def _normalise_groups(self, param_groups, by_id) -> list[tuple[list[str], dict]]:
