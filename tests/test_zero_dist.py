@@ -3,7 +3,6 @@ parity with a single-process run on the full batch, unused/tied/reused modules, 
 checkpoints written at one world size and loaded at another."""
 from __future__ import annotations
 
-import copy
 import datetime
 import os
 import socket

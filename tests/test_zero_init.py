@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_zero import Net, batches, cfg, loss_fn, make_pair, max_rel  # noqa: E402
+from test_zero import Net, batches, cfg, loss_fn, max_rel  # noqa: E402
 
 from tierstore.errors import TierstoreValueError  # noqa: E402
 from tierstore.zero import Init, TiledLinear, Zero3Optimizer  # noqa: E402

@@ -28,7 +28,6 @@ import shutil
 import tempfile
 import threading
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterable
 
 import torch
 
