@@ -32,6 +32,12 @@ HUGE = 2 << 20  # bytes: a transparent huge page on x86_64 and most arm64 kernel
 MADV_HUGEPAGE = 14
 
 
+def advise_huge_pages(addr: int, nbytes: int) -> bool:
+    """Ask for transparent huge pages on [addr, addr+nbytes) before its first touch (see [Note: huge pages]).
+    Returns whether the kernel took the advice; where THP is off, nothing changes."""
+    return _libc.madvise(addr, nbytes, MADV_HUGEPAGE) == 0
+
+
 def memlock_limit() -> int | None:
     """The soft RLIMIT_MEMLOCK in bytes, or None when unlimited."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -112,7 +118,7 @@ class BufferPool:
         start = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         self._off = (-start) % HUGE  # bytes skipped to reach the 2 MiB boundary
         self.base_addr = start + self._off
-        self.huge_pages = _libc.madvise(self.base_addr, self.nbytes, MADV_HUGEPAGE) == 0
+        self.huge_pages = advise_huge_pages(self.base_addr, self.nbytes)
         self._u8 = torch.frombuffer(self._mm, dtype=torch.uint8)[self._off:self._off + self.nbytes]
         self.locked = False
         self._cuda_registered = False

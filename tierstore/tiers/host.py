@@ -16,6 +16,7 @@ import mmap
 
 import torch
 
+from ..io.pool import advise_huge_pages
 from .base import Budget, TierStats, profile_range
 
 log = logging.getLogger("tierstore.tiers")
@@ -36,6 +37,7 @@ def aligned_empty(nbytes: int, *, lock: bool = True) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     t = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive; unmapped (and unlocked) with the tensor
+    advise_huge_pages(t.data_ptr(), nbytes)  # fewer page faults and fewer pages per O_DIRECT request
     if lock and _libc.mlock(t.data_ptr(), nbytes) != 0 and not _lock_warned:
         _lock_warned = True
         log.warning("host tier: page-locking failed (errno %d, `ulimit -l` too low?); host copies stay "
