@@ -53,7 +53,7 @@ from .tensor import (IDENTITY, TieredTensor, codec_config, codec_from_config, dt
 from .tiers import TIERS, DeviceTier, Extent, HostTier, NvmeTier, profile_range, tier_index
 from .tiers.device import to_dlpack_tensor
 from .tiers.host import result_empty
-from .tiers.nvme import fsync_dir
+from .io.files import fsync_dir
 
 log = logging.getLogger("tierstore.store")
 

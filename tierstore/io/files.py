@@ -33,6 +33,20 @@ def _flags(mode: str) -> int:
         raise TierstoreValueError(f"mode={mode!r} is not one of {sorted(_MODES)}") from None
 
 
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a directory's entries durable (a new or renamed file in it survives a crash)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise io_error(e.errno or errno.EIO, "open directory", os.fspath(path), None, None) from None
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        raise io_error(e.errno or errno.EIO, "fsync directory", os.fspath(path), None, None) from None
+    finally:
+        os.close(fd)
+
+
 class File:
     """One open file. `direct_fd` is None where O_DIRECT is refused (tmpfs, some network filesystems)."""
 

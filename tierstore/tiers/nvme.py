@@ -39,6 +39,7 @@ import torch
 
 from ..errors import CorruptionError, MisuseError, TierFullError, TierstoreValueError
 from ..io import ALIGN, Buffer, BufferPool, Engine, StripedFile
+from ..io.files import fsync_dir
 from .base import Budget, TierStats, profile_range
 
 log = logging.getLogger("tierstore.tiers")
@@ -788,12 +789,4 @@ def _part_ranges(sf: StripedFile, start: int, stop: int):
         hi = (last - k + n - 1) // n if last > k else 0
         if hi > lo:
             yield part, lo * su, hi * su
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 

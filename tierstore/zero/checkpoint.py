@@ -34,6 +34,7 @@ import crc32c
 import torch
 
 from ..errors import CorruptionError, TierstoreValueError
+from ..io.files import fsync_dir
 from ..partition import Plan, reshard_shards
 from . import _dist
 from ._layout import fp32_twin
@@ -43,14 +44,6 @@ VERSION = 1
 LATEST = "latest"
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_atomic(path: str, data: bytes) -> None:
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
@@ -58,7 +51,7 @@ def _write_atomic(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
 
 
 def _torch_bytes(obj) -> bytes:
