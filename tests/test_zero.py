@@ -227,22 +227,23 @@ def test_state_dict_round_trip_continues_identically(tmp_path):
     opt2.close()
 
 
+class Odd(nn.Module):
+    """Tied weights, an unused layer and a module called twice per forward (also used by test_zero_dist)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.block = nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 10, bias=False)
+        self.out.weight = self.emb.weight  # tied
+
+    def forward(self, idx):
+        h = torch.tanh(self.block(self.emb(idx)))
+        return self.out(torch.tanh(self.block(h)))  # block called twice
+
+
 def test_unused_tied_and_reused_modules(tmp_path):
-    class Odd(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(10, 8)
-            self.block = nn.Linear(8, 8)
-            self.unused = nn.Linear(8, 8)
-            self.out = nn.Linear(8, 10, bias=False)
-            self.out.weight = self.emb.weight  # tied
-
-        def forward(self, idx):
-            h = self.emb(idx)
-            h = torch.tanh(self.block(h))
-            h = torch.tanh(self.block(h))  # called twice
-            return self.out(h)
-
     torch.manual_seed(0)
     ref_m = Odd()
     z_m = copy.deepcopy(ref_m)

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_zero import Net, batches, loss_fn, make_pair, max_rel  # noqa: E402
+from test_zero import Net, Odd, batches, loss_fn, make_pair, max_rel  # noqa: E402
 
 from tierstore.zero import OffloadConfig, Zero3Optimizer  # noqa: E402
 
@@ -28,22 +28,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Odd(nn.Module):
-    """Tied weights, an unused layer and a module called twice per forward."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(10, 8)
-        self.block = nn.Linear(8, 8)
-        self.unused = nn.Linear(8, 8)
-        self.out = nn.Linear(8, 10, bias=False)
-        self.out.weight = self.emb.weight
-
-    def forward(self, idx):
-        h = torch.tanh(self.block(self.emb(idx)))
-        return self.out(torch.tanh(self.block(h)))
 
 
 def odd_data(n):
