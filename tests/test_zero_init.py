@@ -55,8 +55,12 @@ def _measure_build(root: str, out: str) -> None:
     c = cfg(__import__("pathlib").Path(root), params="nvme", states="host", grads="host", pinned_bytes=4 << 20)
     plain, _ = _peak_growth(lambda: Deep())
     with Init(c) as init:
+        # Warm up first: the first layer offloaded starts the engine's threads, loads native libraries and
+        # imports what the store needs on first use. That one-time cost varied with the process (7-17 MiB
+        # seen), and it is not what this test measures: memory per layer built.
+        Deep(layers=1)
         grown, model = _peak_growth(lambda: Deep())
-        ok = init.offloaded == 24 and all(p.numel() == 0 for p in model.parameters())
+        ok = init.offloaded == 26 and all(p.numel() == 0 for p in model.parameters())
     torch.save({"plain": plain, "grown": grown, "ok": ok}, out)
 
 
