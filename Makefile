@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard native/*.c native/*.h)
 install: $(STAMP)
 
 demo: $(STAMP)
+	mkdir -p $(DEMO_DIR)
 	$(VENV)/bin/tierstore info --dir $(DEMO_DIR)
 	$(VENV)/bin/tierstore bench io --dir $(DEMO_DIR) --size 256M --quick
 
