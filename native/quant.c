@@ -215,16 +215,57 @@ CLONES static void dq_dyn(const float *restrict values, const uint8_t *restrict 
 
 static size_t esize(int dtype) { return dtype == TSQ_F32 ? 4 : 2; }
 
-/* ---- one thread's range of blocks -------------------------------------------------------------- */
+/* ---- whole blocks over threads ---------------------------------------------------------------- */
 
-typedef struct {
-    const tsq_job *job;
-    int64_t b0, b1; /* blocks [b0, b1) */
-    int bad;        /* blocks with NaN/Inf */
-    int quantize;
-} tsq_part;
+/* One thread's share of a job: blocks [b0, b1). */
+typedef struct tsq_share tsq_share;
+typedef void (*tsq_share_fn)(tsq_share *);
+struct tsq_share {
+    tsq_share_fn fn;
+    const void *job; /* tsq_job or tsq_adamw_job, as fn expects */
+    int64_t b0, b1;  /* blocks */
+    int quantize;    /* quantize/dequantize shares only */
+    int bad;         /* blocks whose result holds NaN/Inf */
+};
 
-static void run_part(tsq_part *p)
+static void *share_thread(void *arg)
+{
+    tsq_share *sh = arg;
+    sh->fn(sh);
+    return NULL;
+}
+
+/* Split blocks [0, nblocks) into contiguous shares, one per thread (at most `nthreads`, TSQ_MAX_THREADS and
+ * nblocks). The calling thread runs the first share, and the share of any thread that could not start.
+ * Whole blocks per share, so the bytes never depend on the thread count. Returns the summed `bad`. */
+static int run_shares(tsq_share_fn fn, const void *job, int quantize, int64_t nblocks, int64_t nthreads)
+{
+    int64_t t = nthreads < 1 ? 1 : (nthreads > TSQ_MAX_THREADS ? TSQ_MAX_THREADS : nthreads);
+    if (t > nblocks)
+        t = nblocks;
+    tsq_share parts[TSQ_MAX_THREADS];
+    pthread_t tids[TSQ_MAX_THREADS];
+    int started[TSQ_MAX_THREADS] = {0};
+    for (int64_t i = 0; i < t; i++)
+        parts[i] = (tsq_share){.fn = fn, .job = job, .b0 = nblocks * i / t, .b1 = nblocks * (i + 1) / t,
+                               .quantize = quantize};
+    for (int64_t i = 1; i < t; i++)
+        started[i] = pthread_create(&tids[i], NULL, share_thread, &parts[i]) == 0;
+    fn(&parts[0]);
+    int bad = parts[0].bad;
+    for (int64_t i = 1; i < t; i++) {
+        if (started[i])
+            pthread_join(tids[i], NULL);
+        else
+            fn(&parts[i]);
+        bad += parts[i].bad;
+    }
+    return bad;
+}
+
+/* ---- one share of a quantize / dequantize job ------------------------------------------------ */
+
+static void run_part(tsq_share *p)
 {
     const tsq_job *j = p->job;
     float scratch[TSQ_MAX_BLOCK] __attribute__((aligned(64)));
@@ -278,12 +319,6 @@ static void run_part(tsq_part *p)
     }
 }
 
-static void *thread_main(void *arg)
-{
-    run_part(arg);
-    return NULL;
-}
-
 static int run(const tsq_job *j, int quantize)
 {
     if (j->n < 0 || j->block < 2 || j->block > TSQ_MAX_BLOCK || (j->block & 1) || j->scheme < 0 || j->scheme > 4 ||
@@ -293,28 +328,7 @@ static int run(const tsq_job *j, int quantize)
         return 0;
     if (j->scheme >= TSQ_DYN_SIGNED && (!j->lut || !j->mids || !j->values || j->lut_size < 1))
         return -EINVAL;
-    int64_t nblocks = (j->n + j->block - 1) / j->block;
-    int64_t t = j->nthreads < 1 ? 1 : (j->nthreads > TSQ_MAX_THREADS ? TSQ_MAX_THREADS : j->nthreads);
-    if (t > nblocks)
-        t = nblocks;
-    tsq_part parts[TSQ_MAX_THREADS];
-    pthread_t tids[TSQ_MAX_THREADS];
-    int started[TSQ_MAX_THREADS] = {0};
-    for (int64_t i = 0; i < t; i++) {
-        parts[i] = (tsq_part){.job = j, .b0 = nblocks * i / t, .b1 = nblocks * (i + 1) / t, .quantize = quantize};
-    }
-    for (int64_t i = 1; i < t; i++)
-        started[i] = pthread_create(&tids[i], NULL, thread_main, &parts[i]) == 0;
-    run_part(&parts[0]);
-    int bad = parts[0].bad;
-    for (int64_t i = 1; i < t; i++) {
-        if (started[i])
-            pthread_join(tids[i], NULL);
-        else
-            run_part(&parts[i]); /* could not start a thread: do its share here */
-        bad += parts[i].bad;
-    }
-    return bad;
+    return run_shares(run_part, j, quantize, (j->n + j->block - 1) / j->block, j->nthreads);
 }
 
 /* ---- fused 8-bit-state AdamW step ------------------------------------------------------------ *
@@ -534,13 +548,7 @@ static int adamw_block(const tsq_adamw_job *j, int64_t b, int64_t len, float *m,
     return mmax >= 0x7F800000u || vmax >= 0x7F800000u;
 }
 
-typedef struct {
-    const tsq_adamw_job *job;
-    int64_t b0, b1;
-    int bad;
-} tsq_adamw_part;
-
-static void adamw_part(tsq_adamw_part *pt)
+static void adamw_part(tsq_share *pt)
 {
     const tsq_adamw_job *j = pt->job;
     float ms[TSQ_MAX_BLOCK] __attribute__((aligned(64)));
@@ -553,12 +561,6 @@ static void adamw_part(tsq_adamw_part *pt)
     }
 }
 
-static void *adamw_thread(void *arg)
-{
-    adamw_part(arg);
-    return NULL;
-}
-
 /* Returns 0, the number of blocks whose new m or v holds NaN/Inf (their codes are unspecified), or -errno. */
 int tsq_adamw_step(const tsq_adamw_job *j)
 {
@@ -568,27 +570,7 @@ int tsq_adamw_step(const tsq_adamw_job *j)
         return -EINVAL;
     if (j->n == 0)
         return 0;
-    int64_t nblocks = (j->n + j->block - 1) / j->block;
-    int64_t t = j->nthreads < 1 ? 1 : (j->nthreads > TSQ_MAX_THREADS ? TSQ_MAX_THREADS : j->nthreads);
-    if (t > nblocks)
-        t = nblocks;
-    tsq_adamw_part parts[TSQ_MAX_THREADS];
-    pthread_t tids[TSQ_MAX_THREADS];
-    int started[TSQ_MAX_THREADS] = {0};
-    for (int64_t i = 0; i < t; i++)
-        parts[i] = (tsq_adamw_part){.job = j, .b0 = nblocks * i / t, .b1 = nblocks * (i + 1) / t};
-    for (int64_t i = 1; i < t; i++)
-        started[i] = pthread_create(&tids[i], NULL, adamw_thread, &parts[i]) == 0;
-    adamw_part(&parts[0]);
-    int bad = parts[0].bad;
-    for (int64_t i = 1; i < t; i++) {
-        if (started[i])
-            pthread_join(tids[i], NULL);
-        else
-            adamw_part(&parts[i]);
-        bad += parts[i].bad;
-    }
-    return bad;
+    return run_shares(adamw_part, j, 0, (j->n + j->block - 1) / j->block, j->nthreads);
 }
 
 int tsq_quantize(const tsq_job *j) { return run(j, 1); }
@@ -596,7 +578,8 @@ int tsq_quantize(const tsq_job *j) { return run(j, 1); }
 int tsq_dequantize(const tsq_job *j) { return run(j, 0); }
 
 /* The module is loaded with ctypes; this init only lets the import system find the built file. */
-static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native_quant", "tierstore quantization kernels (ctypes)",
-                                    -1, NULL};
+static struct PyModuleDef moddef = {
+    PyModuleDef_HEAD_INIT, "_native_quant", "tierstore quantization kernels (ctypes)", -1, NULL, NULL, NULL, NULL, NULL,
+};
 
 PyMODINIT_FUNC PyInit__native_quant(void) { return PyModule_Create(&moddef); }
