@@ -17,9 +17,6 @@ import tempfile
 
 from ._common import Progress, fmt_bytes, gib_s, interleave, print_table, ratio, size_arg, write_json
 
-log = logging.getLogger("tierstore.bench")
-
-
 def add_arguments(p) -> None:
     p.add_argument("--dir", default="bench-data", help="directory on the disk under test (created)")
     p.add_argument("--size", type=size_arg, default=1 << 30, help="sequential file size (default 1G)")
@@ -178,7 +175,7 @@ def run(args) -> int:
         small_cases, small_info = small_workload(work, small_count, backends, ds_mod)
         closers.extend(small_info.pop("closers"))
         with Progress(rounds * (len(cases) + len(small_cases)), "bench io") as prog:
-            seq = interleave({k: v for k, v in cases.items()}, rounds, prog)
+            seq = interleave(cases, rounds, prog)
             small = interleave(small_cases, rounds, prog)
         for c in closers:
             c()
