@@ -26,6 +26,25 @@ def _split(n: int, parts: int, what: str) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
+class _Tile(nn.Linear):
+    """One tile: an nn.Linear initialised with the bounds of the whole layer (fan-in `layer_in`). It draws its
+    own values in its own __init__ so that under zero.Init -- which offloads a module's parameters when that
+    module's __init__ returns ([Note: when a module is offloaded]) -- the values stored are the final ones;
+    a parent re-initialising its tiles afterwards would write into empty tensors."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, layer_in: int, device=None, dtype=None):
+        self.layer_in = layer_in
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        # nn.Linear's kaiming_uniform_(a=sqrt(5)) over fan_in = the whole layer's in_features: U(-1/sqrt(in), ..)
+        bound = 1 / math.sqrt(self.layer_in) if self.layer_in else 0.0
+        self.weight.uniform_(-bound, bound)
+        if self.bias is not None:
+            self.bias.uniform_(-bound, bound)
+
+
 class TiledLinear(nn.Module):
     """Like nn.Linear(in_features, out_features, bias), as out_splits x in_splits tiles (``tiles[j][i]``)."""
 
@@ -36,20 +55,15 @@ class TiledLinear(nn.Module):
         self.in_parts = _split(in_features, in_splits, "in_splits")
         self.out_parts = _split(out_features, out_splits, "out_splits")
         self.tiles = nn.ModuleList(
-            nn.ModuleList(nn.Linear(i, o, bias=bias and c == 0, device=device, dtype=dtype)
+            nn.ModuleList(_Tile(i, o, bias and c == 0, in_features, device=device, dtype=dtype)
                           for c, i in enumerate(self.in_parts)) for o in self.out_parts)
-        self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """nn.Linear's initialisation over the whole layer: bounds from in_features, not a tile's width."""
-        bound = 1 / math.sqrt(self.in_features) if self.in_features else 0.0
-        with torch.no_grad():
-            for row in self.tiles:
-                for lin in row:
-                    # kaiming_uniform_(a=sqrt(5)) over fan_in = in_features gives U(-1/sqrt(in), 1/sqrt(in))
-                    lin.weight.uniform_(-bound, bound)
-                    if lin.bias is not None:
-                        lin.bias.uniform_(-bound, bound)
+        """nn.Linear's initialisation over the whole layer: bounds from in_features, not a tile's width (each
+        tile draws its values when it is built; this draws them again)."""
+        for row in self.tiles:
+            for lin in row:
+                lin.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xs = x.split(self.in_parts, dim=-1)
