@@ -25,7 +25,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	mkdir -p $(DEMO_DIR)
 	$(VENV)/bin/tierstore info --dir $(DEMO_DIR)
-	$(VENV)/bin/tierstore bench io --dir $(DEMO_DIR) --size 256M --quick
+	$(VENV)/bin/tierstore demo --dir $(DEMO_DIR)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -1,4 +1,5 @@
-"""The command line: `tierstore info` and a tiny `tierstore bench io` run end to end (JSON checked)."""
+"""The command line: `tierstore info`, a tiny `tierstore demo` and a tiny `tierstore bench io` run end to end
+(JSON checked)."""
 from __future__ import annotations
 
 import json
@@ -27,3 +28,15 @@ def test_bench_io_runs_small(tmp_path):
         assert row["threads_gib_s"] > 0
     assert all(v["requests_per_s"] > 0 for v in res["small"].values())
     assert not any((tmp_path / "d").iterdir())  # the benchmark cleans up its files
+
+
+def test_demo_trains_on_nvme_equal_to_torch(tmp_path):
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--dir", str(tmp_path / "d"), "--width", "32", "--layers", "1", "--steps", "30",
+               "--resume-steps", "2", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["ok"]
+    assert res["losses"]["zero3"] == res["losses"]["torch"]  # parameters and fp32 states on nvme: same arithmetic
+    assert res["resumed"]["zero3"] == res["resumed"]["resumed"] and len(res["resumed"]["zero3"]) == 2
+    assert res["nvme_bytes"] > 12 * res["parameters"]  # master + 2 states in fp32 (and the parameters) on disk
+    assert not any((tmp_path / "d").iterdir())  # the demo cleans up its files

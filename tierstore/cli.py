@@ -1,4 +1,4 @@
-"""The `tierstore` command: `tierstore info` and `tierstore bench <name>`.
+"""The `tierstore` command: `tierstore info`, `tierstore demo` and `tierstore bench <name>`.
 
 Each benchmark is a module ``tierstore.bench.<name>`` with ``add_arguments(parser)`` and ``run(args) -> int``;
 it is imported only when asked for, so one benchmark's optional references never slow another.
@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="what this machine offers: io_uring, O_DIRECT, page-lock limit, torch")
     info.add_argument("--dir", default=".", help="directory to probe for O_DIRECT (default: .)")
     _add_common(info)
+    demo = sub.add_parser("demo", help="train a small model with its states on the NVMe tier next to torch AdamW")
+    _add_common(demo)
+    importlib.import_module("tierstore.demo").add_arguments(demo)
     bench = sub.add_parser("bench", help="benchmarks that print ratios against references run alongside")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, help_ in BENCHMARKS.items():
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         from .info import run_info
         return run_info(args)
+    if args.command == "demo":
+        return importlib.import_module("tierstore.demo").run(args)
     return _load(args.bench).run(args)
 
 
