@@ -14,7 +14,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(__file__))
 from test_zero import Net, batches, cfg, loss_fn, max_rel  # noqa: E402
 
-from tierstore.errors import TierstoreValueError  # noqa: E402
+from tierstore.errors import MisuseError, TierstoreValueError  # noqa: E402
 from tierstore.zero import Init, TiledLinear, Zero3Optimizer  # noqa: E402
 
 
@@ -103,6 +103,48 @@ def test_init_then_optimizer_equals_plain_build(tmp_path):
     assert max_rel(opt.full_state_dict(), ref) <= 1e-6
     opt.close()
     assert "__init__" not in nn.Linear.__dict__ or not hasattr(nn.Linear.__init__, "__wrapped__")  # unpatched
+
+
+def test_init_large_parameter_in_chunks_taken_bucket_by_bucket(tmp_path):
+    """A 1.4 MB weight is stored in 2 chunks (1 MiB each at most) and lies in several 256 KiB buckets: the
+    optimizer takes it range by range, deleting each chunk once all of its elements were taken."""
+    c = cfg(tmp_path / "i", params="nvme", sub_group_bytes=256 << 10, min_io_bytes=64 << 10)
+    torch.manual_seed(0)
+    ref = nn.Linear(600, 600)
+    torch.manual_seed(0)
+    with Init(c) as init:
+        m = nn.Linear(600, 600)
+    assert len(m.weight._tierstore_init.keys) == 2 and init._live == 3
+    deleted = []
+    orig = init._discard
+    init._discard = lambda key: (deleted.append((key, len(init.store.keys()))), orig(key))
+    opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path / "o", params="host",
+                                                                sub_group_bytes=256 << 10, min_io_bytes=64 << 10))
+    assert len(opt.layout.param_gids["weight"]) >= 5  # split over buckets
+    assert [n for _k, n in deleted] == [3, 2, 1] and init.store is None  # one chunk at a time, then closed
+    full = opt.full_state_dict()
+    assert torch.equal(full["weight"], ref.weight) and torch.equal(full["bias"], ref.bias)
+    opt.close()
+
+
+def test_module_built_under_init_but_not_optimized_fails_clearly(tmp_path):
+    c = cfg(tmp_path / "i", params="host")
+    with Init(c):
+        m = Net()
+        stray = nn.Linear(3, 3)
+    x = torch.randn(2, 16)
+    with pytest.raises(MisuseError, match=r"Linear was built under tierstore.zero.Init .*not taken by a Zero3Opt"):
+        m(x)  # before the optimizer took the parameters
+    opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path / "o"))
+
+    def guards(mod):
+        return [h for h in mod._forward_pre_hooks.values() if "_guard_unclaimed" in h.__qualname__]
+    assert guards(m.fc1) and guards(stray)
+    m(x)  # now taken: the guards of m's modules removed themselves
+    assert not any(guards(mod) for mod in m.modules()) and guards(stray)
+    with pytest.raises(MisuseError, match=r"Linear .*\['weight', 'bias'\] were not taken.*whole value"):
+        stray(torch.randn(2, 3))
+    opt.close()
 
 
 def test_tiled_linear_equals_linear_and_gathers_one_tile_at_a_time(tmp_path):

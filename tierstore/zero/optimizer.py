@@ -284,29 +284,94 @@ class Zero3Optimizer(torch.optim.Optimizer):
         tmp = cls([{"params": [probe], **opts}], **kwargs)
         return dict(tmp.state.get(probe, {}))
 
-    def _value_of(self, name: str) -> torch.Tensor:
+    def _take_range(self, name: str, a: int, b: int, out: torch.Tensor, *, sliced: bool) -> None:
+        """out (fp32, b - a elements) <- flattened elements [a, b) of parameter `name` that this rank supplies:
+        what its zero.Init handle holds, else the in-memory value -- all of it, or (sliced=True: the bucket is
+        summed over ranks) only this rank's even slice, so that every element comes from exactly one rank."""
         p = self._params[name]
         handle = getattr(p, "_tierstore_init", None)
         if handle is not None:
-            return handle.load().to(self.device, torch.float32)
-        return p.detach().to(torch.float32)
+            handle.take(a, b, out)
+            return
+        if sliced:
+            from .init import even_slice
+            lo, hi = even_slice(p.numel(), self.world_size, self.rank)
+            a2, b2 = max(a, lo), min(b, hi)
+            if a2 < b2:
+                out[a2 - a:b2 - a].copy_(p.detach().reshape(-1)[a2:b2])
+            return
+        out.copy_(p.detach().reshape(-1)[a:b])
+
+    def _init_sliced_gids(self) -> set[int]:
+        """Sub-groups holding a parameter built under zero.Init at world size > 1 (their shards come from a
+        reduce-scatter), agreed by every rank; refuses handles of another world size or rank on every rank at
+        once (one rank raising alone would leave the others in the collective). See [Note: streaming Init at
+        world size N] in init.py."""
+        problem = None
+        for name, p in self._params.items():
+            h = getattr(p, "_tierstore_init", None)
+            if h is not None and (h.world, h.rank) != (self.world_size, self.rank):
+                problem = (f"parameter {name!r} was built under tierstore.zero.Init at world size {h.world} (rank "
+                           f"{h.rank}), but this Zero3Optimizer's group has world size {self.world_size} (rank "
+                           f"{self.rank}). Under Init each rank keeps only its slice of every parameter, so only "
+                           f"the same group can reassemble it: initialise torch.distributed before entering Init "
+                           f"and pass the same process_group to Init and Zero3Optimizer")
+                break
+        gids = len(self.layout.subgroups)
+        mine = torch.zeros(gids, dtype=torch.int32)
+        for gid in range(gids):
+            if any(getattr(getattr(self._params[pc.name], "_tierstore_init", None), "sliced", False)
+                   for pc in self.layout.bucket(gid).pieces):
+                mine[gid] = 1
+        if self.world_size == 1:
+            if problem:
+                raise TierstoreValueError(problem)
+            return set()
+        flags = torch.cat([torch.tensor([int(problem is not None)], dtype=torch.int32), mine, 1 - mine])
+        _dist.all_reduce_max(flags, self.group)  # [any rank refused, any rank sliced, any rank not sliced]
+        if problem:
+            raise TierstoreValueError(problem)
+        if flags[0]:
+            raise TierstoreValueError("another rank refused a parameter built under tierstore.zero.Init (world "
+                                      "size or rank differs from this Zero3Optimizer's group; its error says which)")
+        mixed = [gid for gid in range(gids) if flags[1 + gid] and flags[1 + gids + gid]]
+        if mixed:
+            names = [pc.name for pc in self.layout.bucket(mixed[0]).pieces]
+            raise TierstoreValueError(f"some ranks built parameters {names[:3]} under tierstore.zero.Init and "
+                                      f"others did not; every rank must build the same model the same way")
+        return {gid for gid in range(gids) if flags[1 + gid]}
 
     def _fill_shards(self) -> None:
+        """Cut this rank's shards, one bucket at a time, from the parameters' values or their zero.Init
+        handles (whose chunks are deleted as they are taken). At world size N a bucket of Init slices is
+        filled with what this rank holds and reduce-scattered; see [Note: streaming Init at world size N]."""
+        from .init import reduce_scatter_exact
         cfg = self.config
-        for gl in self.layout.groups:
-            for bi, b in enumerate(gl.plan.buckets):
-                gid = gl.gids[bi]
-                values = {pc.name: self._value_of(pc.name) for pc in b.pieces}
-                master = torch.zeros(b.shard_numel, dtype=torch.float32, device=self.device)
-                lo, hi = b.shard_slice(self.rank).start, b.shard_slice(self.rank).stop
-                for pc, start, stop in b.overlapping(lo, hi):
-                    at = pc.param_offset + start - pc.offset
-                    master[start - lo:stop - lo].copy_(values[pc.name].reshape(-1)[at:at + stop - start])
-                del values
-                if gl.trainable:
-                    self.store.put(f"m{gid}", master, tier=cfg.optimizer_states)
-                if not (gl.trainable and self._shared_master):
-                    self.store.put(f"p{gid}", master.to(cfg.compute_dtype), tier=cfg.params)
+        try:
+            sliced = self._init_sliced_gids()
+            for gl in self.layout.groups:
+                for bi, b in enumerate(gl.plan.buckets):
+                    gid = gl.gids[bi]
+                    # sliced: the whole bucket, zero bits where other ranks supply the value; else this shard
+                    lo, hi = (0, b.numel) if gid in sliced else (b.shard_slice(self.rank).start,
+                                                                   b.shard_slice(self.rank).stop)
+                    buf = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+                    for pc, start, stop in b.overlapping(lo, hi):
+                        at = pc.param_offset + start - pc.offset
+                        self._take_range(pc.name, at, at + stop - start, buf[start - lo:stop - lo],
+                                         sliced=gid in sliced)
+                    master = reduce_scatter_exact(buf, self.group) if gid in sliced else buf
+                    del buf
+                    if gl.trainable:
+                        self.store.put(f"m{gid}", master, tier=cfg.optimizer_states)
+                    if not (gl.trainable and self._shared_master):
+                        self.store.put(f"p{gid}", master.to(cfg.compute_dtype), tier=cfg.params)
+                    del master
+        except BaseException:  # the constructor fails: leave no store (nor temporary directory) behind
+            self.store.close(flush=False)
+            if self._tmpdir:
+                shutil.rmtree(self._tmpdir, ignore_errors=True)
+            raise
 
     # -- store access --------------------------------------------------------------------------------------
     def _fetch_param_shard(self, gid: int) -> torch.Tensor:
