@@ -68,6 +68,18 @@ def fio_run(path: str, op: str, engine: str, bs: int, qd: int, size: int) -> flo
     return job["io_bytes"] / (job["runtime"] / 1e3) if job["runtime"] else float("nan")
 
 
+def fio_wall(jobs: list[tuple[str, str]], engine: str, bs: int, qd: int, size: int) -> float:
+    """Seconds fio's slowest job took (its own runtime figure), the jobs [(path, "read" | "write")] running at
+    the same time, each moving `size` bytes."""
+    cmd = ["fio", "--output-format=json", "--thread", f"--ioengine={engine}", "--direct=1", f"--bs={bs}",
+           f"--iodepth={qd}", f"--size={size}"]
+    for i, (path, op) in enumerate(jobs):
+        cmd += [f"--name=job{i}", f"--filename={path}", f"--rw={op}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    res = json.loads(out[out.index("{"):])["jobs"]
+    return max(j[op]["runtime"] for j, (_p, op) in zip(res, jobs)) / 1e3
+
+
 def deepspeed_aio():
     """DeepSpeed's AsyncIOBuilder op module, or (None, why)."""
     try:

@@ -9,6 +9,9 @@ Cases, interleaved A B A B in one run (see [Note: ratios, not lone numbers] in _
   read      the raw engine reading the bytes one nvme step reads (O_DIRECT, page cache dropped)
   write     the raw engine writing the bytes one nvme step writes (+ fsync)
   readwrite both at once (the disk's bound for a perfectly overlapped step; shown for information)
+  fio_*     with fio on PATH: fio reading, writing, and doing both at once on the same bytes (1 MiB, depth
+            32, io_uring, O_DIRECT) -- an independent view of whether this disk reads and writes at full
+            speed at the same time, which the nvme target assumes
 Only step() is timed: gradients are produced once per optimizer and stepped on again each round.
 Targets (issue 6): host >= 0.9x ref; nvme <= 1.25x max(read, write, compute); nvme8 >= 1.6x faster than
 nvme; peak RSS growth during the nvme step <= pinned budget + 3 sub-groups (+10%).
@@ -30,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pinned", type=size_arg, default=64 << 20, help="the store's pinned budget")
     p.add_argument("--dir", default=None, help="directory on the disk under test (default: a temp dir in .)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-fio", action="store_true", help="skip the fio reference")
 
 
 def _status(field: str) -> int:  # bytes
@@ -167,6 +171,13 @@ def run(args) -> int:
         cases = {"ref": lambda: ref.step(), "host": step_of("host"), "nvme": step_of("nvme"),
                  "nvme8": step_of("nvme8"), "compute": lambda: [o.step() for o in comp] and None,
                  "read": raw_read, "write": raw_write, "readwrite": raw_readwrite}
+        fio = not args.no_fio and shutil.which("fio")
+        if fio:
+            from .io import fio_wall
+            fio_jobs = {"fio_read": [(rfile, "read")], "fio_write": [(rfile2, "write")],
+                        "fio_readwrite": [(rfile, "read"), (rfile2, "write")]}
+            for name, jobs in fio_jobs.items():
+                cases[name] = lambda jobs=jobs: fio_wall(jobs, "io_uring", 1 << 20, 32, io_bytes)
         with Progress(len(cases) * args.rounds, "bench optim") as prog:
             res = interleave(cases, args.rounds, prog)
         med = {k2: v.median for k2, v in res.items()}
@@ -190,6 +201,14 @@ def run(args) -> int:
              f"{io_bytes / med['write'] / 2**30:.2f} GiB/s", "", ""],
             ["raw engine read + write at once", f"{med['readwrite'] * 1e3:.1f}",
              f"nvme step = {med['nvme'] / med['readwrite']:.2f}x of it", "(info)", ""],
+        ]
+        if fio:
+            rows += [
+                ["fio read / write, alone", f"{med['fio_read'] * 1e3:.1f} / {med['fio_write'] * 1e3:.1f}", "", "", ""],
+                ["fio read + write at once", f"{med['fio_readwrite'] * 1e3:.1f}",
+                 f"{med['fio_readwrite'] / max(med['fio_read'], med['fio_write']):.2f}x max(read, write)",
+                 "(info)", ""]]
+        rows += [
             ["peak RSS growth, nvme step", fmt_bytes(peak), f"{peak / bound * 1.1:.2f}x of pinned + 3 sub-groups",
              "<= 1.1x", "ok" if peak <= bound else "MISS"],
         ]
