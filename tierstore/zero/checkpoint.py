@@ -1,26 +1,63 @@
-"""Checkpoints of a Zero3Optimizer: atomic, checksummed, loadable at another world size and on other tiers.
+"""Checkpoints of a Zero3Optimizer: atomic, checksummed, streamed one sub-group at a time, loadable at another
+world size and on other tiers.
 
 Layout of a checkpoint directory:
 
-    <dir>/latest                          the name of the current checkpoint (replaced atomically)
-    <dir>/ckpt-00000020-<nonce>/meta.json  format, world size, partition layout, hyperparameters, per-file crc32c
-    <dir>/ckpt-00000020-<nonce>/rank00000.pt  that rank's fp32 master and state shards, per sub-group
-    <dir>/ckpt-00000020-<nonce>/buffers.pt    the model's buffers (rank 0)
+    <dir>/latest                             the name of the current checkpoint (replaced atomically)
+    <dir>/ckpt-00000020-<nonce>/meta.json     format, world size, partition layout, hyperparameters, per-file
+                                              size and index crc32c
+    <dir>/ckpt-00000020-<nonce>/rank00000.bin that rank's fp32 master and state shards, per sub-group (records)
+    <dir>/ckpt-00000020-<nonce>/buffers.bin   the model's buffers (rank 0; records)
+
+[Note: checkpoint record files]
+A ``.bin`` file (version 2) is written front to back in one pass and read by random access:
+
+    offset 0      8 bytes   magic b"TSZCKPT2"
+    offset 8      records   each tensor's raw bytes (little-endian, C order), back to back, no padding
+    index_offset  index     UTF-8 JSON: {"format", "version", "byteorder": "little",
+                            "records": {name: {"dtype", "shape", "offset", "nbytes", "crc32c"}},
+                            "aux": {gid: the sub-group's non-tensor optimizer state}}
+    end - 24      footer    little-endian u64 index_offset, u64 index_nbytes, u32 crc32c of the index, b"TSZI"
+
+Record names: ``<gid>.master``, ``<gid>.state.<key>`` (fp32, 8-bit states dequantised), ``<gid>.param``
+(frozen sub-groups, compute dtype); in buffers.bin the buffer names. meta.json holds every file's size and
+its index crc32c, so a file swapped in from another checkpoint, a truncated one or a damaged index is
+refused before any record is used; each record carries its own crc32c, checked when it is read (a
+CorruptionError names the file, the record, its offset and length). Every byte of a file belongs to the
+magic, a record, the index or the footer, so any damaged byte is detected by whichever read covers it. Any
+non-JSON aux value makes the sub-group's aux a torch.save'd record (``<gid>.aux``) instead.
+Writes are plain buffered ``os.write`` calls of each tensor's memory (no copy into a bytes object), one
+fsync per file at the end: records come from ``store.get`` into ordinary memory at arbitrary sizes (a 0-d
+``step``, small states), so the engine's O_DIRECT path would need them staged into aligned pinned buffers
+first -- a copy and code for a periodic operation the page cache already streams at disk speed. After the
+fsync the file's pages are dropped from the page cache (posix_fadvise DONTNEED): a checkpoint is not read
+back soon and should not evict the run's working set.
 
 [Note: atomic checkpoints]
-A save writes a new directory next to the old ones: every rank writes its file (temp name, fsync, rename),
-the ranks agree on sizes and crc32c, then rank 0 writes meta.json (temp, fsync, rename, fsync dir) and only
-then replaces ``latest`` (temp, fsync, rename, fsync dir). A crash anywhere before that rename leaves
+A save writes a new directory next to the old ones: every rank streams its file (temp name, fsync, rename),
+the ranks agree on sizes and index crc32c, then rank 0 writes meta.json (temp, fsync, rename, fsync dir) and
+only then replaces ``latest`` (temp, fsync, rename, fsync dir). A crash anywhere before that rename leaves
 ``latest`` naming the previous, complete checkpoint; older directories are deleted only after it. A load
-reads ``latest``, checks meta.json's own crc32c and every file's crc32c before using it.
+reads ``latest``, checks meta.json's own crc32c, each file's size and index crc32c, and each record's crc32c.
+
+[Note: streaming save and load]
+Save reads one sub-group (master and states, from whatever tier) from the store, appends its records to the
+rank file and drops it before reading the next, so its memory is about one sub-group whatever the model
+size. Load builds this rank's shards one destination sub-group at a time: ``partition.reshard_copies`` (what
+``reshard_shards`` is built on) lists, for this rank only, which runs of which source shards make each
+destination shard; the source records are read as needed, keeping only the last source sub-group read (the
+copies go through both plans in model order, so a source record is normally read once). Memory: one source
+and one destination sub-group.
 
 [Note: resharding on load]
 Every shard file holds fp32 shards of buckets of the layout the saving run used. A load rebuilds this rank's
-shards under its own layout with ``partition.reshard_shards`` over fp32 twins of both plans (see
-[Note: fp32 twin plans] in _layout.py), reading each source file once; states with one element per
-parameter element (exp_avg, sum, momentum_buffer ...) move the same way, scalar states (step) are taken
-from the first source sub-group of the group (every sub-group steps together). Tiers are whatever the
-loading optimizer's config says.
+shards under its own layout over fp32 twins of both plans (see [Note: fp32 twin plans] in _layout.py); states
+with one element per parameter element (exp_avg, sum, momentum_buffer ...) move the same way, scalar states
+(step) are taken from the first source sub-group of the group (every sub-group steps together). Tiers are
+whatever the loading optimizer's config says.
+
+Version 1 checkpoints (one torch.save'd dict per rank, ``rank00000.pt``) still load, whole file at a time;
+any other version is refused with its number.
 """
 from __future__ import annotations
 
@@ -28,6 +65,8 @@ import io
 import json
 import os
 import shutil
+import struct
+import sys
 import uuid
 
 import crc32c
@@ -35,13 +74,19 @@ import torch
 
 from ..errors import CorruptionError, TierstoreValueError
 from ..io.files import fsync_dir
-from ..partition import Plan, reshard_shards
+from ..partition import Plan, reshard_copies
+from ..tiers.nvme import crc_at, memory_at
 from . import _dist
 from ._layout import fp32_twin
 
 FORMAT = "tierstore.zero.checkpoint"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)  # versions load_checkpoint / consolidate read
 LATEST = "latest"
+FILE_FORMAT = "tierstore.zero.checkpoint.records"
+MAGIC = b"TSZCKPT2"
+FOOTER = struct.Struct("<QQI4s")  # index_offset, index_nbytes, index crc32c, b"TSZI"
+FOOTER_MAGIC = b"TSZI"
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -54,19 +99,93 @@ def _write_atomic(path: str, data: bytes) -> None:
     fsync_dir(os.path.dirname(path))
 
 
-def _torch_bytes(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
 def _body_crc(body: dict) -> int:
     return crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+class _RecordWriter:
+    """One record file, written front to back under a temporary name; see [Note: checkpoint record files]."""
+
+    def __init__(self, path: str):
+        if sys.byteorder != "little":  # the format is little-endian; tensors are written as they are in memory
+            raise TierstoreValueError("checkpoints are written little-endian; this machine is big-endian")
+        self.path = path
+        self.tmp = path + ".tmp"
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self.records: dict[str, dict] = {}
+        self.aux: dict[str, dict] = {}
+        self.at = 0  # bytes written
+        self._write(memoryview(MAGIC))
+
+    def _write(self, mv: memoryview) -> None:
+        done = 0
+        while done < len(mv):
+            done += os.write(self.fd, mv[done:])
+        self.at += len(mv)
+
+    def tensor(self, name: str, t: torch.Tensor) -> None:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        mv = memory_at(t.data_ptr(), nbytes) if nbytes else memoryview(b"")
+        self.records[name] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": self.at,
+                              "nbytes": nbytes, "crc32c": crc_at(t.data_ptr(), nbytes)}
+        self._write(mv)
+        del mv, t
+
+    def blob(self, name: str, data: bytes) -> None:
+        self.records[name] = {"dtype": "bytes", "shape": [len(data)], "offset": self.at, "nbytes": len(data),
+                              "crc32c": crc32c.crc32c(data)}
+        self._write(memoryview(data))
+
+    def set_aux(self, gid: int, aux: dict) -> None:
+        if not aux:
+            return
+        try:
+            json.dumps(aux)
+            self.aux[str(gid)] = aux
+        except (TypeError, ValueError):
+            buf = io.BytesIO()
+            torch.save(aux, buf)
+            self.blob(f"{gid}.aux", buf.getvalue())
+
+    def finish(self) -> tuple[int, int]:
+        """Index, footer, fsync, rename, fsync dir; returns (file size, index crc32c)."""
+        index = json.dumps({"format": FILE_FORMAT, "version": VERSION, "byteorder": "little",
+                            "records": self.records, "aux": self.aux}, separators=(",", ":")).encode()
+        crc = crc32c.crc32c(index)
+        offset = self.at
+        self._write(memoryview(index))
+        self._write(memoryview(FOOTER.pack(offset, len(index), crc, FOOTER_MAGIC)))
+        os.fsync(self.fd)
+        if hasattr(os, "posix_fadvise"):  # written and durable: leave the page cache to the run
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(self.fd)
+        self.fd = None
+        os.replace(self.tmp, self.path)
+        fsync_dir(os.path.dirname(self.path))
+        return self.at, crc
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+
 def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1) -> str:
     """Write a checkpoint of `opt` (every rank calls it) and return its directory. See [Note: atomic
-    checkpoints]. keep: how many previous checkpoints to leave besides the new one (rank 0 deletes older)."""
+    checkpoints] and [Note: streaming save and load]. keep: how many previous checkpoints to leave besides the
+    new one (rank 0 deletes older)."""
     directory = os.path.abspath(os.fspath(directory))
     group = opt.group
     name = None
@@ -78,28 +197,39 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1) -> str:
     if opt.rank == 0:
         os.makedirs(sub)
     _dist.barrier(group)
-    shards = {}
-    for gl in opt.layout.groups:
-        for gid in gl.gids:
-            if gl.trainable:
-                shards[gid] = opt._export_subgroup(gid)
-            else:
-                shards[gid] = {"param": opt.store.get(f"p{gid}", device="cpu")}
-    data = _torch_bytes(shards)
-    fname = f"rank{opt.rank:05d}.pt"
-    _write_atomic(os.path.join(sub, fname), data)
-    files = _dist.all_gather_object((fname, len(data), crc32c.crc32c(data)), group)
-    del data, shards
+    fname = f"rank{opt.rank:05d}.bin"
+    w = _RecordWriter(os.path.join(sub, fname))
+    try:
+        for gl in opt.layout.groups:
+            for gid in gl.gids:
+                if not gl.trainable:
+                    w.tensor(f"{gid}.param", opt.store.get(f"p{gid}", device="cpu"))
+                    continue
+                sg = opt._export_subgroup(gid)  # one sub-group in memory at a time
+                w.tensor(f"{gid}.master", sg.pop("master"))
+                for k in list(sg["state"]):
+                    w.tensor(f"{gid}.state.{k}", sg["state"].pop(k))
+                w.set_aux(gid, sg["aux"])
+                del sg
+        info = w.finish()
+    except BaseException:
+        w.abort()
+        raise
+    files = _dist.all_gather_object((fname, *info), group)
     if opt.rank == 0:
-        buffers = {n: b.detach().cpu() for n, b in opt.model.named_buffers()}
-        bdata = _torch_bytes(buffers)
-        _write_atomic(os.path.join(sub, "buffers.pt"), bdata)
-        files.append(("buffers.pt", len(bdata), crc32c.crc32c(bdata)))
+        bw = _RecordWriter(os.path.join(sub, "buffers.bin"))
+        try:
+            for n, b in opt.model.named_buffers():
+                bw.tensor(n, b)
+            files.append(("buffers.bin", *bw.finish()))
+        except BaseException:
+            bw.abort()
+            raise
         body = {"world_size": opt.world_size, "layout": opt.layout.to_dict(), "param_groups": _jsonable(
             opt._hyperparams()), "optimizer": f"{opt.optimizer_class.__module__}.{opt.optimizer_class.__name__}",
             "compute_dtype": str(opt.config.compute_dtype).removeprefix("torch."), "steps": opt.steps,
             "scaler": opt._scaler.state_dict(), "aliases": opt._aliases,
-            "files": {f: {"nbytes": n, "crc32c": c} for f, n, c in files}}
+            "files": {f: {"nbytes": n, "index_crc32c": c} for f, n, c in files}}
         doc = {"format": FORMAT, "version": VERSION, "crc32c": _body_crc(body), "body": body}
         _write_atomic(os.path.join(sub, "meta.json"), json.dumps(doc, indent=1).encode())
         _write_atomic(os.path.join(directory, LATEST), name.encode())
@@ -125,7 +255,8 @@ def _jsonable(groups: list[dict]) -> list[dict]:
 
 
 def read_meta(directory: str | os.PathLike) -> tuple[str, dict]:
-    """(checkpoint subdirectory, meta body) of the latest checkpoint in `directory`, checked."""
+    """(checkpoint subdirectory, meta body) of the latest checkpoint in `directory`, checked; the body's
+    "version" is the format version of its files."""
     directory = os.path.abspath(os.fspath(directory))
     try:
         with open(os.path.join(directory, LATEST), "rb") as f:
@@ -144,34 +275,171 @@ def read_meta(directory: str | os.PathLike) -> tuple[str, dict]:
         raise CorruptionError(f"checkpoint metadata unreadable: {e}", path) from None
     if not ok:
         raise CorruptionError("checkpoint metadata fails its crc32c (or is not a tierstore checkpoint)", path)
-    if doc.get("version") != VERSION:
-        raise TierstoreValueError(f"{path} is checkpoint version {doc.get('version')}; this tierstore reads "
-                                  f"version {VERSION}")
-    return sub, body
+    if doc.get("version") not in READABLE:
+        raise TierstoreValueError(f"{path} is checkpoint format version {doc.get('version')}; this tierstore "
+                                  f"reads versions {', '.join(map(str, READABLE))} (and writes {VERSION}): load it "
+                                  f"with the tierstore that wrote it")
+    return sub, {**body, "version": doc["version"]}
 
 
-class _Files:
-    """Shard files of a checkpoint, opened lazily, each checked against its crc32c once."""
+class _RecordFile:
+    """A record file of a checkpoint, its size and index checked against meta.json when opened; records are
+    read (and crc-checked) one at a time. See [Note: checkpoint record files]."""
+
+    def __init__(self, path: str, want: dict | None):
+        self.path = path
+        if want is None:
+            raise CorruptionError("checkpoint file is not listed in meta.json", path)
+        try:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise CorruptionError("checkpoint file is missing", path) from None
+        try:
+            size = os.fstat(self.fd).st_size
+            if size != want["nbytes"]:
+                raise CorruptionError(f"checkpoint file is {size} bytes; meta.json says {want['nbytes']}", path)
+            if size < len(MAGIC) + FOOTER.size or self._pread(0, len(MAGIC)) != MAGIC:
+                raise CorruptionError(f"checkpoint file does not start with {MAGIC!r}", path, 0, len(MAGIC))
+            at, n, crc, magic = FOOTER.unpack(self._pread(size - FOOTER.size, FOOTER.size))
+            if magic != FOOTER_MAGIC or at + n + FOOTER.size != size:
+                raise CorruptionError("checkpoint file footer is damaged", path, size - FOOTER.size, FOOTER.size)
+            raw = self._pread(at, n)
+            if crc32c.crc32c(raw) != crc or crc != want["index_crc32c"]:
+                raise CorruptionError(f"checkpoint file index fails its crc32c (footer {crc}, meta.json "
+                                      f"{want['index_crc32c']}, data {crc32c.crc32c(raw)})", path, at, n)
+            index = json.loads(raw)
+            self.records: dict[str, dict] = index["records"]
+            self.aux: dict[str, dict] = index["aux"]
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _pread(self, offset: int, n: int) -> bytes:
+        data = os.pread(self.fd, n, offset)
+        if len(data) != n:
+            raise CorruptionError(f"checkpoint file ends early ({len(data)} of {n} bytes)", self.path, offset, n)
+        return data
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        r = self.records.get(name)
+        return None if r is None else tuple(r["shape"])
+
+    def read(self, name: str) -> torch.Tensor:
+        r = self.records.get(name)
+        if r is None:
+            raise CorruptionError(f"checkpoint file has no record {name!r}", self.path)
+        at, n = r["offset"], r["nbytes"]
+        buf = torch.empty(n, dtype=torch.uint8)
+        view = buf.numpy()
+        done = 0
+        while done < n:
+            got = os.preadv(self.fd, [view[done:]], at + done)
+            if got <= 0:
+                raise CorruptionError(f"checkpoint record {name!r} is cut short ({done} of {n} bytes)", self.path,
+                                      at, n)
+            done += got
+        if crc_at(buf.data_ptr(), n) != r["crc32c"]:
+            raise CorruptionError(f"checkpoint record {name!r} fails its crc32c", self.path, at, n)
+        if r["dtype"] == "bytes":
+            return buf
+        return buf.view(getattr(torch, r["dtype"])).reshape(r["shape"])
+
+    def aux_of(self, gid: int) -> dict:
+        if f"{gid}.aux" in self.records:
+            return torch.load(io.BytesIO(self.read(f"{gid}.aux").numpy().tobytes()), weights_only=False)
+        return dict(self.aux.get(str(gid), {}))
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class _V1File:
+    """A version-1 file (one torch.save'd dict), checked whole against its crc32c, behind _RecordFile's API."""
+
+    def __init__(self, path: str, want: dict | None, buffers: bool):
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise CorruptionError("checkpoint file is missing", path) from None
+        if want is None or len(data) != want["nbytes"] or crc32c.crc32c(data) != want["crc32c"]:
+            raise CorruptionError(f"checkpoint file fails its size/crc32c check (expected {want}, got "
+                                  f"{len(data)} bytes)", path)
+        obj = torch.load(io.BytesIO(data), weights_only=False)
+        self.path = path
+        self.records: dict[str, torch.Tensor] = {}
+        self._aux: dict[int, dict] = {}
+        if buffers:
+            self.records = dict(obj)
+            return
+        for gid, sg in obj.items():
+            for role in ("master", "param"):
+                if role in sg:
+                    self.records[f"{gid}.{role}"] = sg[role]
+            for k, v in sg.get("state", {}).items():
+                self.records[f"{gid}.state.{k}"] = v
+            self._aux[int(gid)] = dict(sg.get("aux", {}))
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        t = self.records.get(name)
+        return None if t is None else tuple(t.shape)
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self.records:
+            raise CorruptionError(f"checkpoint file has no record {name!r}", self.path)
+        return self.records[name]
+
+    def aux_of(self, gid: int) -> dict:
+        return dict(self._aux.get(gid, {}))
+
+    def close(self) -> None:
+        self.records.clear()
+
+
+class _Checkpoint:
+    """The files of one checkpoint, opened on first use; ``record`` keeps the last source sub-group read."""
 
     def __init__(self, sub: str, body: dict):
         self.sub = sub
         self.body = body
-        self._cache: dict[str, dict] = {}
+        self.version = body["version"]
+        self._open: dict[str, _RecordFile | _V1File] = {}
+        self._last_key: tuple[int, int] | None = None
+        self._last: dict[str, torch.Tensor] = {}
 
-    def load(self, fname: str):
-        if fname not in self._cache:
+    def file(self, fname: str):
+        if fname not in self._open:
             path = os.path.join(self.sub, fname)
-            with open(path, "rb") as f:
-                data = f.read()
             want = self.body["files"].get(fname)
-            if want is None or len(data) != want["nbytes"] or crc32c.crc32c(data) != want["crc32c"]:
-                raise CorruptionError(f"checkpoint file fails its size/crc32c check (expected {want}, got "
-                                      f"{len(data)} bytes)", path)
-            self._cache[fname] = torch.load(io.BytesIO(data), weights_only=False)
-        return self._cache[fname]
+            if self.version == 1:
+                self._open[fname] = _V1File(path, want, buffers=fname.startswith("buffers"))
+            else:
+                self._open[fname] = _RecordFile(path, want)
+        return self._open[fname]
 
-    def rank(self, r: int) -> dict:
-        return self.load(f"rank{r:05d}.pt")
+    def rank(self, r: int):
+        return self.file(f"rank{r:05d}.pt" if self.version == 1 else f"rank{r:05d}.bin")
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        f = self.file("buffers.pt" if self.version == 1 else "buffers.bin")
+        return {n: f.read(n) for n in f.records}
+
+    def record(self, r: int, gid: int, role: str) -> torch.Tensor:
+        """Record ``<gid>.<role>`` of rank r's file; the records of one (rank, gid) stay cached until another
+        (rank, gid) is read, so memory holds one source sub-group ([Note: streaming save and load])."""
+        if self._last_key != (r, gid):
+            self._last_key, self._last = (r, gid), {}
+        if role not in self._last:
+            self._last[role] = self.rank(r).read(f"{gid}.{role}")
+        return self._last[role]
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+        self._last = {}
 
 
 def _source_layout(body: dict) -> list[tuple[int, Plan, list[int]]]:
@@ -184,16 +452,44 @@ def _source_layout(body: dict) -> list[tuple[int, Plan, list[int]]]:
     return out
 
 
+def _assemble(ck: _Checkpoint, src: Plan, dst: Plan, s_gids: list[int], rank: int, roles: list[str],
+              dtype: torch.dtype, device):
+    """Yield (destination bucket, {role: this rank's shard}) one bucket at a time, each shard built from the
+    source records ``<src gid>.<role>`` of every source rank it overlaps. See [Note: streaming save and load]."""
+    by_dst: dict[int, list] = {}
+    for c in reshard_copies(src, dst, dst_ranks=[rank]):  # sorted by source: model order
+        by_dst.setdefault(c.dst_bucket, []).append(c)
+    for b in dst.buckets:
+        out = {role: torch.zeros(b.shard_numel, dtype=dtype, device=device) for role in roles}
+        for c in by_dst.get(b.index, []):
+            for role in roles:
+                s = ck.record(c.src_rank, s_gids[c.src_bucket], role)
+                out[role][c.dst_offset:c.dst_offset + c.numel].copy_(s.reshape(-1)[c.src_offset:c.src_offset + c.numel])
+        yield b.index, out
+        del out  # before the next bucket's: one destination sub-group at a time
+
+
 def load_checkpoint(opt, directory: str | os.PathLike) -> None:
     """Load the latest checkpoint in `directory` into `opt` (every rank calls it), resharding to this world
-    size and layout. See [Note: resharding on load]."""
+    size and layout, one sub-group at a time. See [Note: resharding on load]."""
     sub, body = read_meta(directory)
-    files = _Files(sub, body)
+    ck = _Checkpoint(sub, body)
+    try:
+        _load(opt, ck, body)
+    finally:
+        ck.close()
+    opt.zero_grad()
+    opt.coordinator.release_all()
+    _dist.barrier(opt.group)
+
+
+def _load(opt, ck: _Checkpoint, body: dict) -> None:
     src = _source_layout(body)
     if len(src) != len(opt.layout.groups):
         raise TierstoreValueError(f"the checkpoint has {len(src) - 1} parameter groups; this optimizer has "
                                   f"{len(opt.layout.groups) - 1}")
     me = opt.rank
+    cfg = opt.config
     for (s_index, s_plan, s_gids), gl in zip(src, opt.layout.groups):
         if s_index != gl.index or set(s_plan.params) != set(gl.plan.params):
             raise TierstoreValueError(f"parameter group {gl.index} holds other parameters in the checkpoint "
@@ -202,36 +498,32 @@ def load_checkpoint(opt, directory: str | os.PathLike) -> None:
         if not gl.gids:
             continue
         if not gl.trainable:
-            new = reshard_shards(s_plan, gl.plan, lambda b, r: files.rank(r)[s_gids[b]]["param"].to(
-                s_plan.buckets[b].dtype), dst_ranks=[me])
-            for b, gid in enumerate(gl.gids):
-                opt.store.put(f"p{gid}", new[b, me].to(opt.device, opt.config.compute_dtype), tier=opt.config.params)
+            # over fp32 twins too, so the compute dtype may differ from the saving run's
+            for b, shard in _assemble(ck, fp32_twin(s_plan), fp32_twin(gl.plan), s_gids, me, ["param"],
+                                      torch.float32, "cpu"):
+                opt.store.put(f"p{gl.gids[b]}", shard["param"].to(opt.device, cfg.compute_dtype), tier=cfg.params)
             continue
-        s32, d32 = fp32_twin(s_plan), fp32_twin(gl.plan)
-        first = files.rank(0)[s_gids[0]]
-        masters = reshard_shards(s32, d32, lambda b, r: files.rank(r)[s_gids[b]]["master"], dst_ranks=[me])
-        states: dict[str, dict] = {}
-        scalars: dict[str, torch.Tensor] = {}
-        for k, v in first["state"].items():
-            if v.dim() == 1 and v.numel() == s_plan.buckets[0].shard_numel:
-                states[k] = reshard_shards(s32, d32, lambda b, r, k=k: files.rank(r)[s_gids[b]]["state"][k].to(
-                    torch.float32), dst_ranks=[me])
-            else:
-                scalars[k] = v
-        for b, gid in enumerate(gl.gids):
-            st = {k: states[k][b, me] for k in states}
+        # which states are per element (resharded) and which scalar (taken from the first sub-group)
+        first = ck.rank(0)
+        g0 = s_gids[0]
+        keys = [n[len(f"{g0}.state."):] for n in first.records if n.startswith(f"{g0}.state.")]
+        per_element = [k for k in keys if first.shape(f"{g0}.state.{k}") == (s_plan.buckets[0].shard_numel,)]
+        scalars = {k: first.read(f"{g0}.state.{k}") for k in keys if k not in per_element}
+        aux = first.aux_of(g0)
+        roles = ["master"] + [f"state.{k}" for k in per_element]
+        for b, shards in _assemble(ck, fp32_twin(s_plan), fp32_twin(gl.plan), s_gids, me, roles, torch.float32,
+                                   "cpu"):
+            st = {k: shards[f"state.{k}"] for k in per_element}
             st.update({k: v.clone() for k, v in scalars.items()})
-            opt._import_subgroup(gid, masters[b, me], st, dict(first["aux"]))
+            opt._import_subgroup(gl.gids[b], shards["master"], st, dict(aux))
+            del shards, st
     opt._set_hyperparams(body["param_groups"])
     opt._scaler.load_state_dict(body["scaler"])
     opt.steps = body["steps"]
-    buffers = files.load("buffers.pt")
+    buffers = ck.buffers()
     for n, b in opt.model.named_buffers():
         if n in buffers:
             b.data.copy_(buffers[n].to(b.dtype))
-    opt.zero_grad()
-    opt.coordinator.release_all()
-    _dist.barrier(opt.group)
 
 
 def consolidate(directory: str | os.PathLike, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -241,20 +533,23 @@ def consolidate(directory: str | os.PathLike, *, dtype: torch.dtype | None = Non
     dtype: of the parameters (default: the compute dtype of the run that saved it; float32 gives the
     masters themselves)."""
     sub, body = read_meta(directory)
-    files = _Files(sub, body)
-    world = body["world_size"]
-    cdt = getattr(torch, body["compute_dtype"])
-    values: dict[str, torch.Tensor] = {}
-    for index, plan, gids in _source_layout(body):
-        key = "master" if index >= 0 else "param"
-        buckets = []
-        for b, gid in enumerate(gids):
-            full = torch.cat([files.rank(r)[gid][key].to(torch.float32) for r in range(world)])
-            buckets.append(full.to(plan.buckets[b].dtype) if index < 0 else full)
-        if index >= 0:
-            plan = fp32_twin(plan)
-        for n, t in plan.unflatten(buckets).items():
-            values[n] = t.to(dtype or cdt)
-    out = {alias: values[canon] for alias, canon in body["aliases"].items()}
-    out.update(files.load("buffers.pt"))
-    return out
+    ck = _Checkpoint(sub, body)
+    try:
+        world = body["world_size"]
+        cdt = getattr(torch, body["compute_dtype"])
+        values: dict[str, torch.Tensor] = {}
+        for index, plan, gids in _source_layout(body):
+            role = "master" if index >= 0 else "param"
+            buckets = []
+            for b, gid in enumerate(gids):
+                full = torch.cat([ck.record(r, gid, role).reshape(-1).to(torch.float32) for r in range(world)])
+                buckets.append(full.to(plan.buckets[b].dtype) if index < 0 else full)
+            if index >= 0:
+                plan = fp32_twin(plan)
+            for n, t in plan.unflatten(buckets).items():
+                values[n] = t.to(dtype or cdt)
+        out = {alias: values[canon] for alias, canon in body["aliases"].items()}
+        out.update(ck.buffers())
+        return out
+    finally:
+        ck.close()
