@@ -556,3 +556,30 @@ def test_add_param_group_after_construction_is_refused(tmp_path):
     with pytest.raises(MisuseError, match="param_groups"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
     opt.close()
+
+
+def test_backward_that_raises_leaves_the_next_one_working(tmp_path):
+    """The engine runs no end callback for a backward that raised: the next forward notices and starts clean."""
+    ref_m, z_m = make_pair()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    opt = Zero3Optimizer(z_m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path, min_io_bytes=0))
+    data = batches(4)
+
+    def boom(grad):
+        raise RuntimeError("boom")
+    try:
+        for i, (x, y) in enumerate(data):
+            for m, o in ((ref_m, ref), (z_m, opt)):
+                out = m(x)
+                if i == 1:
+                    out.register_hook(boom)  # runs after the coordinator's hook on the same tensor
+                    with pytest.raises(RuntimeError, match="boom"):
+                        ((out - y) ** 2).mean().backward()
+                    o.zero_grad()
+                    continue
+                ((out - y) ** 2).mean().backward()
+                o.step()
+                o.zero_grad()
+        assert opt.steps == 3 and max_rel(opt.full_state_dict(), ref_m) <= 1e-6
+    finally:
+        opt.close()

@@ -57,6 +57,120 @@ def two_heads_loss(outs, y, rank):
     return ((outs[rank % 2] - y) ** 2).mean()
 
 
+# -- backward gathers and the reduce-scatter schedule ([Note: backward gathers] in hooks.py) ----------------------
+
+class Scaled(nn.Module):
+    """lin(x) * scale: autograd saves `scale` itself, so its backward reads the value gathered for backward."""
+
+    def __init__(self, i, o):
+        super().__init__()
+        self.lin = nn.Linear(i, o)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, o))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class SplitHeads(nn.Module):
+    """Heads of different widths, every parameter in a bucket of its own (min_io_bytes=0); at step i rank r's
+    loss reads head (r + i) % 2 only, so the ranks' backward graphs differ and change every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.head0 = nn.Linear(16, 4)
+        self.head1 = Scaled(16, 6)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.head0(h), self.head1(h)
+
+
+def split_heads_loss(outs, y, which):
+    return ((outs[0] - y[:, :4]) ** 2).mean() if which == 0 else ((outs[1] - y) ** 2).mean()
+
+
+def split_data(n):
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(24, 16, generator=g), torch.randn(24, 6, generator=g)) for _ in range(n)]
+
+
+class Late(nn.Module):
+    """z is called twice. When the loss also reads z's first call (rank 1, every third step), z's gradient
+    arrives later in backward than the schedule learnt from the previous backward: its bucket was already
+    reduced on every rank, gets more gradient on rank 1, and is reduced again at the end (dirty)."""
+
+    def __init__(self):
+        super().__init__()
+        self.z = nn.Linear(8, 8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x, use_early):
+        h0 = self.z(x)
+        h2 = self.z(torch.tanh(self.a(x)))
+        h3 = torch.tanh(self.b(h2))
+        return self.head(h3 + h0 if use_early else h3)
+
+
+def late_use(rank, step):
+    return rank == 1 and step % 3 == 2
+
+
+class Tap(nn.Module):
+    """(x @ weight, x): the hook on the second output (x itself) runs only after tap's whole backward."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d) / d ** 0.5)
+
+    def forward(self, x):
+        return x @ self.weight, x
+
+
+class Fork(nn.Module):
+    """tap.weight, u.weight and u.bias share one bucket; only odd ranks' losses read u. On those ranks the bucket
+    completes (and is released) before the late hook on tap's pass-through output runs, on the others it never
+    completes: gathering "what the module misses" there posted an all-gather on odd ranks only."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(16, 8)
+        self.tap = Tap(8)
+        self.u = nn.Linear(8, 8)
+        self.post = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.pre(x))
+        y, h_pass = self.tap(h)
+        return self.post(y), self.u(y), h_pass
+
+
+FORK_GROUPS = [{"params": ["pre.weight", "pre.bias", "post.weight", "post.bias"]},
+               {"params": ["tap.weight", "u.weight", "u.bias"]}]
+
+
+def fork_loss(outs, y, rank):
+    out, extra, h_pass = outs
+    loss = ((out - y) ** 2).mean() + 0.1 * h_pass.square().mean()
+    return loss + 0.1 * extra.square().mean() if rank % 2 == 1 else loss
+
+
+class Stack(nn.Module):
+    """Six 32-wide layers, one bucket per parameter: the gradients alive at once during backward are measured."""
+
+    def __init__(self, layers=6, d=32):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
 QD, QH = 64, 128  # the quantized runs' model: fc2's shard (128 x 128 / world) reaches the 8-bit state minimum
 
 
@@ -163,6 +277,104 @@ def sc_two_heads(rank, world, root):
     return out
 
 
+def sc_split_heads(rank, world, root):
+    torch.manual_seed(0)
+    m = SplitHeads()
+    opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, momentum=0.9,
+                         config=cfg(root + "/split", params="host", optimizer_states="host", min_io_bytes=0))
+    for i, (x, y) in enumerate(split_data(STEPS)):
+        split_heads_loss(m(x.chunk(world)[rank]), y.chunk(world)[rank], (rank + i) % 2).backward()
+        opt.step()
+        opt.zero_grad()
+    out = opt.full_state_dict()
+    out["counters"] = {"early": opt.coordinator.early_reductions, "buckets": len(opt.layout.trainable_gids())}
+    opt.close()
+    return out
+
+
+def sc_late(rank, world, root):
+    torch.manual_seed(0)
+    m = Late()
+    opt = Zero3Optimizer(m, torch.optim.Adam, lr=1e-2,
+                         config=cfg(root + "/late", params="host", optimizer_states="host", min_io_bytes=0))
+    for i, (x, y) in enumerate(batches(STEPS, d=8)):
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        ((m(xs, late_use(rank, i)) - ys) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    out = opt.full_state_dict()
+    co = opt.coordinator
+    out["counters"] = {"early": co.early_reductions, "again": co.rereductions}
+    opt.close()
+    return out
+
+
+def sc_fork(rank, world, root):
+    torch.manual_seed(0)
+    m = Fork()
+    opt = Zero3Optimizer(m, torch.optim.Adam, lr=1e-2, param_groups=FORK_GROUPS,
+                         config=cfg(root + "/fork", params="host", optimizer_states="host", min_io_bytes=4096))
+    shared = [[pc.name for pc in opt.layout.bucket(g).pieces] for g in opt.layout.trainable_gids()]
+    for x, y in batches(STEPS):
+        fork_loss(m(x.chunk(world)[rank]), y.chunk(world)[rank], rank).backward()
+        opt.step()
+        opt.zero_grad()
+    out = opt.full_state_dict()
+    out["buckets"] = shared
+    opt.close()
+    return out
+
+
+def sc_grad_memory(rank, world, root):
+    """Bytes of full .grad alive at once in each backward: the first holds all of them, later ones follow the
+    schedule ([Note: gradient reduce-scatter])."""
+    torch.manual_seed(0)
+    m = Stack()
+    opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1,
+                         config=cfg(root + "/mem", params="host", optimizer_states="host", min_io_bytes=0))
+    co = opt.coordinator
+    peaks = []
+    for x, y in batches(4, d=32):
+        loss_fn(m, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        peaks.append(co.peak_grad_bytes)
+        assert co.grad_bytes == 0 and all(p.grad is None for p in m.parameters())
+        opt.step()
+        opt.zero_grad()
+    out = {"peaks": peaks, "early": co.early_reductions, "total": sum(4 * torch.Size(shape).numel() for shape, _dt, _rg in opt.layout.specs.values()),
+           "layer": 4 * (32 * 32 + 32)}
+    opt.close()
+    return out
+
+
+def sc_accumulate(rank, world, root):
+    """Gradient accumulation: 3 micro-batches per step (the schedule is learnt on the first, used on the next)."""
+    _, m = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                         config=cfg(root + "/acc", params="host", optimizer_states="host", min_io_bytes=0))
+    data = batches(12)
+    for i in range(0, 12, 3):
+        for x, y in data[i:i + 3]:
+            (loss_fn(m, x.chunk(world)[rank], y.chunk(world)[rank]) / 3).backward()
+        opt.step()
+        opt.zero_grad()
+    out = opt.full_state_dict()
+    out["counters"] = {"early": opt.coordinator.early_reductions}
+    opt.close()
+    return out
+
+
+def sc_odd_split(rank, world, root):
+    """Odd (tied, unused, called twice) with every parameter in a bucket of its own."""
+    torch.manual_seed(0)
+    m = Odd()
+    opt = Zero3Optimizer(m, torch.optim.Adam, lr=1e-2, config=cfg(root + "/odds", params="host",
+                                                                   optimizer_states="host", min_io_bytes=0))
+    train(m, opt, odd_data(STEPS), rank, world, lossf=odd_loss)
+    out = opt.full_state_dict()
+    opt.close()
+    return out
+
+
 def sc_resume_other_world(rank, world, root):
     """Load the checkpoint the world-2 run wrote (path in <root>/from2) and train the next STEPS here."""
     src = open(os.path.join(root, "from2")).read()
@@ -177,7 +389,10 @@ def sc_resume_other_world(rank, world, root):
     return out
 
 
-SCENARIOS = {"resume_other_world": sc_resume_other_world, "two_heads": sc_two_heads, "parity": sc_parity, "odd": sc_odd, "quant": sc_quant, "checkpoint": sc_checkpoint}
+SCENARIOS = {"resume_other_world": sc_resume_other_world, "two_heads": sc_two_heads, "parity": sc_parity, "odd": sc_odd,
+             "quant": sc_quant, "checkpoint": sc_checkpoint, "split_heads": sc_split_heads, "late": sc_late,
+             "fork": sc_fork, "grad_memory": sc_grad_memory, "accumulate": sc_accumulate, "odd_split": sc_odd_split}
+BACKWARD = ["split_heads", "late", "fork", "grad_memory", "accumulate", "odd_split"]
 
 
 def _worker(rank, world, port, root, names):
@@ -239,7 +454,7 @@ def results_for(world, tmp_path_factory):
             names = [n for n in SCENARIOS if n != "resume_other_world"]
         else:  # world 4 also resumes from the checkpoint world 2 wrote
             (root / "from2").write_text(os.path.join(results_for(2, tmp_path_factory)[1], "ckpt"))
-            names = ["resume_other_world", "two_heads", "parity", "odd", "checkpoint", "quant"]
+            names = ["resume_other_world", "two_heads", "parity", "odd", "checkpoint", "quant"] + BACKWARD
         _RUNS[world] = (world, str(root), run_world(world, root, names))
     return _RUNS[world]
 
@@ -339,4 +554,109 @@ def test_checkpoint_from_world_2_resumes_at_world_4(tmp_path_factory):
     got = res4[0]["resume_other_world"]
     rel = max_rel(got, want)
     print(f"world 2 -> 4 resume: max relative difference {rel:.2e}")
+    assert rel <= 1e-5, rel
+
+
+# -- backward gathers and the reduce-scatter schedule ------------------------------------------------------------
+
+def _same_on_every_rank(res, name, world):
+    for r in range(1, world):
+        assert all(torch.equal(res[0][name][k], res[r][name][k]) for k in res[0][name] if k not in ("counters",
+                                                                                                  "buckets"))
+
+
+def test_rank_dependent_heads_in_their_own_buckets(world_results):
+    """The ranks' backward graphs differ (and change every step) and the heads' buckets differ in size:
+    backward gathers must not follow which module backwards run locally ([Note: backward gathers])."""
+    world, _root, res = world_results
+    torch.manual_seed(0)
+    ref = SplitHeads()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for i, (x, y) in enumerate(split_data(STEPS)):
+        loss = sum(split_heads_loss(ref(xc), yc, (r + i) % 2)
+                   for r, (xc, yc) in enumerate(zip(x.chunk(world), y.chunk(world))))
+        (loss / world).backward()
+        opt.step()
+        opt.zero_grad()
+    _same_on_every_rank(res, "split_heads", world)
+    c = res[0]["split_heads"]["counters"]
+    assert c["buckets"] == 7 and c["early"] > 0
+    rel = max_rel(res[0]["split_heads"], ref)
+    print(f"world {world}: split heads max relative difference {rel:.2e}, early reductions {c['early']}")
+    assert rel <= 1e-5, rel
+
+
+def test_gradient_arriving_after_its_bucket_was_reduced_is_reduced_again(world_results):
+    world, _root, res = world_results
+    torch.manual_seed(0)
+    ref = Late()
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for i, (x, y) in enumerate(batches(STEPS, d=8)):
+        loss = sum(((ref(xc, late_use(r, i)) - yc) ** 2).mean()
+                   for r, (xc, yc) in enumerate(zip(x.chunk(world), y.chunk(world))))
+        (loss / world).backward()
+        opt.step()
+        opt.zero_grad()
+    _same_on_every_rank(res, "late", world)
+    c = res[0]["late"]["counters"]
+    assert c["again"] > 0 and c["early"] > 0, c  # the dirty path really ran
+    assert all(res[r]["late"]["counters"] == c for r in range(world))  # the same collectives on every rank
+    rel = max_rel(res[0]["late"], ref)
+    print(f"world {world}: late gradient max relative difference {rel:.2e}, counters {c}")
+    assert rel <= 1e-5, rel
+
+
+def test_release_on_completion_does_not_change_backward_gathers(world_results):
+    world, _root, res = world_results
+    assert ["tap.weight", "u.weight", "u.bias"] in res[0]["fork"]["buckets"]  # the shared bucket the test needs
+    torch.manual_seed(0)
+    ref = Fork()
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for x, y in batches(STEPS):
+        loss = sum(fork_loss(ref(xc), yc, r) for r, (xc, yc) in enumerate(zip(x.chunk(world), y.chunk(world))))
+        (loss / world).backward()
+        opt.step()
+        opt.zero_grad()
+    _same_on_every_rank(res, "fork", world)
+    rel = max_rel(res[0]["fork"], ref)
+    assert rel <= 1e-5, rel
+
+
+def test_schedule_lowers_gradients_alive_during_backward(world_results):
+    """Counted by the coordinator (bytes of full .grad alive at once), not timed: the first backward holds
+    every gradient until its end; with the schedule about one layer's are alive at a time."""
+    world, _root, res = world_results
+    for r in range(world):
+        g = res[r]["grad_memory"]
+        print(f"world {world} rank {r}: peak .grad bytes per backward {g['peaks']} (all: {g['total']}, "
+              f"one layer: {g['layer']})")
+        assert g["peaks"][0] == g["total"]
+        assert all(p <= 2 * g["layer"] for p in g["peaks"][1:]), g
+        assert g["early"] == 3 * 12  # every bucket but the first layer's two (due at the very end), 3 backwards
+
+
+def test_gradient_accumulation_matches_single_process(world_results):
+    world, _root, res = world_results
+    ref_m, _ = make_pair()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, weight_decay=0.1)
+    data = batches(12)
+    for i in range(0, 12, 3):
+        for x, y in data[i:i + 3]:
+            (loss_fn(ref_m, x, y) / 3).backward()
+        ref.step()
+        ref.zero_grad()
+    _same_on_every_rank(res, "accumulate", world)
+    assert res[0]["accumulate"]["counters"]["early"] > 0
+    rel = max_rel(res[0]["accumulate"], ref_m)
+    assert rel <= 1e-5, rel
+
+
+def test_tied_unused_and_reused_in_buckets_of_their_own(world_results):
+    world, _root, res = world_results
+    torch.manual_seed(0)
+    ref_m = Odd()
+    reference(ref_m, torch.optim.Adam(ref_m.parameters(), lr=1e-2), odd_data(STEPS), lossf=odd_loss)
+    full = res[0]["odd_split"]
+    assert torch.equal(full["out.weight"], full["emb.weight"])
+    rel = max_rel(full, ref_m)
     assert rel <= 1e-5, rel

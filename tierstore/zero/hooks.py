@@ -1,5 +1,5 @@
 """Module hooks of ZeRO-3: gather a module's parameters before it runs, release them after; reduce-scatter
-gradients into each rank's partition at the end of backward.
+gradients into each rank's partition during and at the end of backward.
 
 [Note: gather and release]
 Outside of use every managed parameter's ``.data`` is an empty tensor; the values live as this rank's shard
@@ -8,23 +8,53 @@ parameters -- each rank reads its shard from its tier and they all-gather it (qw
 points each parameter's ``.data`` at its run of the gathered bucket (a view; a parameter split over buckets
 is assembled). The forward post-hook releases buckets no running module needs (a count per bucket, so a
 parent and a child sharing a bucket, or a module called twice, stay correct). Autograd saves the parameter
-itself for backward, so a hook on the gradient of each of the module's outputs (run before the
-module's backward) gathers again before the module's backward runs; a bucket is
-released again once every trainable parameter in it has accumulated its gradient (post-accumulate-grad
-hooks), or at the end of backward for buckets holding unused parameters.
+itself for backward, so the buckets are gathered again before the module's backward (see [Note: backward
+gathers]); a bucket is released again once every trainable parameter in it has accumulated its gradient
+(post-accumulate-grad hooks), or at the end of backward for buckets holding unused or frozen parameters.
+
+[Note: backward gathers]
+Which module backwards run, and when, is a local matter: with a rank-dependent loss (rank 0 reads head 0,
+rank 1 head 1) the ranks' autograd graphs differ, and a bucket's release on completion differs with them
+(rank 1 may have completed a bucket that rank 0, lacking a gradient for one of its parameters, never
+completes). Gathering "whatever the module about to run is missing" therefore posts different collectives
+on different ranks (a silent exchange of the wrong shards, or a hang). So backward gathers follow a
+sequence every rank shares instead: the *entries*, one per hooked forward call whose output requires grad,
+in the order the forward post-hooks ran (identical on every rank, since forward order must be). Backward
+walks the entries from the last one down with a cursor; the hook on a module's outputs (run before its
+backward) pulls the cursor down to that module's entry, *visiting* every entry on the way: a visit gathers
+the entry's buckets that have not been gathered since the backward began (the "protocol" view, kept apart
+from which buckets this rank still holds). The end-of-backward callback walks the cursor to the bottom, so
+every rank makes the same visits in the same order whatever its graph; a visit during that final walk
+drops what it gathered at once. A hook whose entry the cursor already passed gathers nothing: its buckets
+were gathered by that visit and are either still held or were released because every trainable parameter
+in them already had its gradient -- and then no backward node left needs their values.
+Not covered: hooks of an older graph (several forwards before one backward, retain_graph, activation
+recomputation inside backward) gather what they miss on demand, deterministic only when every rank's
+backward graph is the same.
 
 [Note: gradient reduce-scatter]
-Gradients are reduce-scattered at the end of backward (an autograd engine callback), for every trainable
-bucket in bucket order, on every rank -- including buckets whose parameters got no gradient (zeros). The
-sequence of collectives is therefore the same on every rank whatever parameters were used, which is what
-keeps a data-dependent branch or an unused parameter from hanging the group. The mean over ranks (qgZ int4
-when enabled) lands in this rank's fp32 gradient partition, added to what earlier micro-batches left there
-(gradient accumulation); the full-size ``.grad`` tensors are then dropped.
-Cost of that choice at world size > 1: full gradients of one backward exist at once before the
-reduce-scatter. Reducing a bucket as soon as it completes is not safe there: a rank blocked in an early
-reduce-scatter can wait on a rank that is itself waiting in a backward all-gather (deadlock) whenever the
-ranks' completion orders differ. At world size 1 there is no collective, so each bucket's gradient goes to
-the partition (and the full .grad tensors are dropped) as soon as its last parameter's gradient lands.
+Every trainable bucket is reduce-scattered once per backward (mean over ranks; qgZ int4 when enabled) into
+this rank's fp32 gradient partition, added to what earlier micro-batches left there (gradient
+accumulation), including buckets whose parameters got no gradient (zeros): the collectives of a backward
+are then the same on every rank whatever parameters each used.
+World size 1 (no collective): a bucket goes to its partition as soon as its last parameter's gradient
+lands, and the full ``.grad`` tensors are dropped then.
+World size N: reducing "as soon as a bucket is complete" would post collectives in each rank's completion
+order (deadlock against the backward all-gathers). Instead the ranks follow an agreed *schedule* counted
+in visits ([Note: backward gathers]), which every rank makes in the same order:
+- every backward records, per trainable bucket, the number of visits made when its last gradient arrived;
+  at its end one all_reduce MAX agrees the positions (never arrived anywhere -> the end);
+- the next backward over the same entries (same modules, same buckets; otherwise no schedule), at the start
+  of visit k and before its gathers, reduce-scatters every bucket not yet reduced whose position is <= k,
+  in (position, gid) order -- complete on this rank or not. The reduced part of ``.grad`` is removed (set to
+  None, or the bucket's slice zeroed for a parameter split over buckets not all reduced yet);
+- reduce-scatter is linear, so a gradient that arrives after its bucket was reduced (a rank-dependent
+  branch, a prediction that no longer holds) is not lost: the bucket is marked dirty, the same end-of-
+  backward all_reduce (MAX of the dirty flags) tells every rank which buckets to reduce once more -- the
+  remainder, in bucket order -- and the positions agreed there are the next backward's schedule;
+- buckets never reduced early are reduced at the end, in bucket order.
+The first backward (and any backward after the entries changed) holds every full gradient until its end;
+later ones hold roughly the gradients of the buckets not yet due. One small collective per backward.
 """
 from __future__ import annotations
 
@@ -34,12 +64,12 @@ from typing import Callable
 
 import torch
 
+from ..errors import MisuseError
 from . import _dist
 from ._layout import Layout
 from .prefetch import Trace
 
 log = logging.getLogger("tierstore.zero")
-
 
 
 class ParamCoordinator:
@@ -63,26 +93,46 @@ class ParamCoordinator:
         self.trace = Trace()
         self._name_of = {id(p): n for n, p in params.items()}
         self._group_of = {n: gl for gl in layout.groups for n in gl.names}
-        self._live: dict[int, torch.Tensor] = {}  # gid -> gathered bucket
+        self._trainable = layout.trainable_gids()
+        self._live: dict[int, torch.Tensor] = {}  # gid -> gathered bucket this rank holds
+        self._plive: set[int] = set()  # gids every rank counts as gathered ([Note: backward gathers])
         self._users: dict[int, int] = {}  # gid -> running modules needing it
         self._module_gids: dict[int, list[int]] = {}
         self._prefetched: dict[int, Future] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tierstore-prefetch") if prefetch_depth else None
         self._empty: dict[torch.dtype, torch.Tensor] = {}
         self._trainable_in: dict[int, int] = {}
-        for gid in layout.trainable_gids():
+        for gid in self._trainable:
             self._trainable_in[gid] = len(set(p.name for p in layout.bucket(gid).pieces))
+        self._world = _dist.world_and_rank(group)[0]
+        # -- backward state ([Note: backward gathers], [Note: gradient reduce-scatter])
+        self._entries: list[tuple[int, list[int]]] = []  # (module id, gids) per hooked forward call
+        self._serial = 0  # bumped when the entries are reset: hooks carrying an older serial are stale
+        self._in_backward = False
+        self._bw_task = -1  # autograd graph task of the backward in progress
+        self._cursor = 0  # entries[cursor:] were visited in this backward
+        self._visits = 0
         self._done: dict[int, int] = {}
         self._seen: set[str] = set()
-        self._reduced: set[int] = set()  # buckets already reduced in this backward (world size 1 only)
-        self._world = _dist.world_and_rank(group)[0]
-        self.eager_reductions = 0
+        self._reduced: set[int] = set()  # buckets reduced in this backward
+        self._dirty: set[int] = set()  # reduced, then received more gradient
+        self._arrival: dict[int, int] = {}  # gid -> visits made when its last gradient arrived
+        self._schedule: list[tuple[int, int]] | None = None  # (position, gid), sorted
+        self._schedule_key: tuple | None = None  # the entries the schedule was learnt on
+        self._due: list[tuple[int, int]] = []  # this backward's schedule
+        self._due_at = 0
         self._cb_queued = False
         self._in_forward = 0
-        self.gathers = 0  # all-gathers issued (for tests)
+        self._grad_counted: dict[str, int] = {}  # name -> bytes of its full .grad counted as alive
+        # -- counters (tests, diagnostics)
+        self.gathers = 0  # all-gathers issued
         self.prefetch_hits = 0
         self.prefetch_hits_backward = 0
-        self._bw_pos: int | None = None  # backward's position in the trace (walked in reverse)
+        self.eager_reductions = 0  # world size 1: buckets reduced as soon as complete
+        self.early_reductions = 0  # world size N: buckets reduced during backward by the schedule
+        self.rereductions = 0  # dirty buckets reduced again at the end of backward
+        self.grad_bytes = 0  # bytes of full .grad alive now
+        self.peak_grad_bytes = 0  # the most alive at once during the last (or current) backward
         self._handles: list = []
         self._install()
 
@@ -120,6 +170,8 @@ class ParamCoordinator:
         return e
 
     def gather(self, gids) -> None:
+        """Make `gids` held on this rank: one all-gather per bucket not held (a collective: every rank must
+        ask for the same buckets in the same order)."""
         new = []
         for gid in gids:
             if gid in self._live:
@@ -135,6 +187,7 @@ class ParamCoordinator:
             with torch.profiler.record_function("tierstore::all_gather"):
                 _dist.all_gather(shard.to(self.device), full, self.group, quantized=self.qwz)
             self._live[gid] = full
+            self._plive.add(gid)
             self.gathers += 1
             new.append(gid)
         for gid in new:
@@ -159,7 +212,11 @@ class ParamCoordinator:
                     flat[pc.param_offset:pc.param_offset + pc.numel].copy_(src[pc.offset:pc.end])
                 p.data = t
 
-    def release(self, gid: int) -> None:
+    def release(self, gid: int, *, local_only: bool = False) -> None:
+        """Drop bucket `gid`'s gathered values. `local_only`: this rank no longer needs them, but every rank
+        still counts the bucket as gathered in this backward ([Note: backward gathers])."""
+        if not local_only:
+            self._plive.discard(gid)
         if self._live.pop(gid, None) is None:
             return
         b = self.layout.bucket(gid)
@@ -169,6 +226,7 @@ class ParamCoordinator:
     def release_all(self) -> None:
         for gid in list(self._live):
             self.release(gid)
+        self._plive.clear()
         self._drop_prefetched()
 
     def _drop_prefetched(self) -> None:
@@ -181,10 +239,18 @@ class ParamCoordinator:
 
     # -- forward --------------------------------------------------------------------------------------
     def _root_pre(self, module, args) -> None:
-        if self._in_forward == 0:
+        if self._in_forward == 0 and self._in_backward and torch._C._current_graph_task_id() != self._bw_task:
+            # the previous backward raised: the engine does not run its end callback
+            log.warning("a backward ended without reaching its end (it raised); its partial gradients are dropped")
+            self._cb_queued = False
+            self._reset_backward()
+            for n in self._trainable_names():
+                self._drop_grad(n)
+        if self._in_forward == 0 and not self._in_backward:
             self.trace.begin()
             self._users.clear()
-            self._bw_pos = None
+            self._entries = []  # hooks of the previous graph become stale ([Note: backward gathers])
+            self._serial += 1
         self._in_forward += 1
 
     def _root_post(self, module, args, output) -> None:
@@ -198,100 +264,184 @@ class ParamCoordinator:
         self.trace.observe(id(module))
         for g in gids:
             self._users[g] = self._users.get(g, 0) + 1
+        if self._in_backward:  # a forward run inside backward (recomputation): see the Note's "not covered"
+            missing = [g for g in gids if g in self._plive and g not in self._live]
+            if missing:
+                raise MisuseError(
+                    f"a forward inside backward needs buckets {missing}, released after all their parameters "
+                    f"received their gradient in this backward; recompute a module's forward before its "
+                    f"parameters' gradients are complete")
         self.gather(gids)
         self._prefetch_ahead()
 
     def _post_forward(self, module, args, output) -> None:
         gids = self._module_gids[id(module)]
         if torch.is_grad_enabled():
-            # the backward pre-hook: a hook on each output's gradient runs before the module's backward
-            hook = _BackwardGather(self, id(module), gids)
-            for t in _tensors(output):
-                if t.requires_grad:
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            if tensors:
+                # the backward pre-hook: a hook on each output's gradient runs before the module's backward
+                hook = _BackwardGather(self, self._serial, len(self._entries), gids,
+                                       late=self._in_backward)
+                if not self._in_backward:
+                    self._entries.append((id(module), gids))
+                for t in tensors:
                     t.register_hook(hook)
         for g in gids:
             n = self._users.get(g, 0) - 1
             self._users[g] = n
             if n <= 0:
-                self.release(g)
+                self.release(g, local_only=self._in_backward)
 
     def _prefetch_ahead(self) -> None:
         if self._executor is None:
             return
         for mid in self.trace.upcoming(self.prefetch_depth):
-            for gid in self._module_gids.get(mid, ()):
-                if gid not in self._live and gid not in self._prefetched:
-                    self._prefetched[gid] = self._executor.submit(self.fetch_shard, gid)
+            self._read_ahead(self._module_gids.get(mid, ()))
+
+    def _read_ahead(self, gids) -> None:
+        for gid in gids:
+            if gid not in self._live and gid not in self._prefetched:
+                self._prefetched[gid] = self._executor.submit(self.fetch_shard, gid)
 
     # -- backward -------------------------------------------------------------------------------------
-    def _queue_end_callback(self) -> None:
+    def _begin_backward(self) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        self._bw_task = torch._C._current_graph_task_id()
         if not self._cb_queued:
             self._cb_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        self._cursor = len(self._entries)
+        self._visits = 0
+        self.peak_grad_bytes = self.grad_bytes
+        key = self._entries_key()
+        self._due = self._schedule if self._schedule is not None and key == self._schedule_key else []
+        self._due_at = 0
 
-    def _pre_backward(self, mid: int, gids) -> None:
-        self._queue_end_callback()
-        hits = self.prefetch_hits
-        self.gather(gids)
-        self.prefetch_hits_backward += self.prefetch_hits - hits
-        self._prefetch_backward(mid)
+    def _entries_key(self) -> tuple:
+        return tuple((mid, tuple(gids)) for mid, gids in self._entries)
 
-    def _prefetch_backward(self, mid: int) -> None:
-        """Backward runs the traced order in reverse: read up the shards of the `prefetch_depth` modules
-        before `mid` in the trace (local reads only, as in forward; see [Note: trace] in prefetch.py)."""
-        order = self.trace.order
-        if self._executor is None or self.trace.recording or not order:
+    def _pre_backward(self, hook: "_BackwardGather") -> None:
+        self._begin_backward()
+        if hook.serial == self._serial and not hook.late:
+            self._advance_to(hook.index)
+        else:  # stale: see the Note's "not covered"
+            self.gather(hook.gids)
+
+    def _advance_to(self, index: int, *, final: bool = False) -> None:
+        """Visit entries down to `index` ([Note: backward gathers])."""
+        while self._cursor > index:
+            self._cursor -= 1
+            self._reduce_due(self._visits)
+            gids = self._entries[self._cursor][1]
+            need = [g for g in gids if g not in self._plive]
+            hits = self.prefetch_hits
+            self.gather(need)
+            self.prefetch_hits_backward += self.prefetch_hits - hits
+            for g in need:
+                if final or (self._done.get(g, 0) >= self._trainable_in.get(g, 1 << 62) and self._users.get(g, 0) <= 0):
+                    self.release(g, local_only=True)  # nobody here needs it (any more)
+            self._visits += 1
+            if not final:
+                self._prefetch_backward()
+
+    def _prefetch_backward(self) -> None:
+        """Read up the shards of the `prefetch_depth` entries below the cursor (local reads, no collective)."""
+        if self._executor is None:
             return
-        j = self._bw_pos - 1 if self._bw_pos is not None else len(order) - 1
-        while j >= 0 and order[j] != mid:
-            j -= 1
-        if j < 0:
-            return  # not in the trace (an order change): no prediction
-        self._bw_pos = j
-        for prev in reversed(order[max(0, j - self.prefetch_depth):j]):
-            for gid in self._module_gids.get(prev, ()):
-                if gid not in self._live and gid not in self._prefetched:
-                    self._prefetched[gid] = self._executor.submit(self.fetch_shard, gid)
+        for j in range(self._cursor - 1, max(self._cursor - 1 - self.prefetch_depth, -1), -1):
+            self._read_ahead(g for g in self._entries[j][1] if g not in self._plive)
 
     def _grad_done(self, p: torch.Tensor) -> None:
-        self._queue_end_callback()
+        self._begin_backward()
         name = self._name_of[id(p)]
+        gids = self.layout.param_gids[name]
+        for gid in gids:
+            self._arrival[gid] = self._visits
+            if gid in self._reduced:
+                self._dirty.add(gid)
+        if name not in self._grad_counted and p.grad is not None:
+            nbytes = p.grad.numel() * p.grad.element_size()
+            self._grad_counted[name] = nbytes
+            self.grad_bytes += nbytes
+            self.peak_grad_bytes = max(self.peak_grad_bytes, self.grad_bytes)
         if name in self._seen:
             return
         self._seen.add(name)
-        for gid in self.layout.param_gids[name]:
+        for gid in gids:
             self._done[gid] = self._done.get(gid, 0) + 1
             if self._done[gid] >= self._trainable_in.get(gid, 1 << 62):
                 if self._users.get(gid, 0) <= 0:
-                    self.release(gid)
-                if self._world == 1:  # no collective: the bucket's gradient can leave memory right away
+                    self.release(gid, local_only=True)
+                if self._world == 1 and gid not in self._reduced:  # no collective: reduce right away
                     self._reduce_bucket(gid)
-                    self._reduced.add(gid)
                     self.eager_reductions += 1
+
+    def _reduce_due(self, k: int) -> None:
+        """World size N: reduce-scatter the buckets the schedule puts at or before visit k."""
+        due = self._due
+        while self._due_at < len(due) and due[self._due_at][0] <= k:
+            gid = due[self._due_at][1]
+            self._due_at += 1
+            if gid not in self._reduced:
+                self._reduce_bucket(gid)
+                self.early_reductions += 1
 
     def _backward_end(self) -> None:
         self._cb_queued = False
-        self._bw_pos = None
         try:
+            if self._world > 1:
+                self._advance_to(0, final=True)
             self.reduce_gradients()
         finally:
-            self._reduced.clear()
-            self._seen.clear()
-            self._done.clear()
-            for gid in list(self._live):
-                if self._users.get(gid, 0) <= 0:
-                    self.release(gid)
-            self._drop_prefetched()
+            self._reset_backward()
 
-    def reduce_gradients(self) -> None:
-        """Reduce-scatter every trainable bucket's gradient into the sink. See [Note: gradient reduce-scatter]."""
-        for gid in self.layout.trainable_gids():
-            if gid not in self._reduced:
-                self._reduce_bucket(gid)
+    def _reset_backward(self) -> None:
+        self._in_backward = False
+        self._reduced.clear()
+        self._dirty.clear()
+        self._arrival.clear()
+        self._seen.clear()
+        self._done.clear()
+        self._due = []
+        for gid in list(self._live):
+            if self._users.get(gid, 0) <= 0:
+                self.release(gid)
+        self._plive = set(self._live)
+        self._drop_prefetched()
+
+    def _trainable_names(self):
         for gl in self.layout.groups:
             if gl.trainable:
-                for n in gl.names:
-                    self.params[n].grad = None
+                yield from gl.names
+
+    def reduce_gradients(self) -> None:
+        """End of backward: agree on positions and dirty buckets, then reduce-scatter every trainable bucket
+        not reduced yet and every dirty one, in bucket order. See [Note: gradient reduce-scatter]."""
+        dirty = set(self._dirty)
+        if self._world > 1:
+            n = len(self._entries)
+            flags = torch.tensor([self._arrival.get(g, -1) for g in self._trainable]
+                                 + [1 if g in dirty else 0 for g in self._trainable], dtype=torch.int64)
+            _dist.all_reduce_max(flags, self.group)
+            t = len(self._trainable)
+            pos = flags[:t].tolist()
+            dirty = {g for g, d in zip(self._trainable, flags[t:].tolist()) if d}
+            self._schedule = sorted((p if p >= 0 else n, g) for g, p in zip(self._trainable, pos))
+            self._schedule_key = self._entries_key()
+        for gid in self._trainable:
+            if gid in dirty:
+                self.rereductions += 1
+                self._reduce_bucket(gid)
+            elif gid not in self._reduced:
+                self._reduce_bucket(gid)
+        for n in self._trainable_names():
+            self._drop_grad(n)
+
+    def _drop_grad(self, name: str) -> None:
+        self.params[name].grad = None
+        self.grad_bytes -= self._grad_counted.pop(name, 0)
 
     def _reduce_bucket(self, gid: int) -> None:
         b = self.layout.bucket(gid)
@@ -305,10 +455,18 @@ class ParamCoordinator:
                                              intra_node_size=self.intra_node_size)
         del flat
         self.grad_sink(gid, shard)
-        if self._world == 1:  # drop the full gradients now (a split parameter: once all its buckets are done)
-            for piece in b.pieces:
-                if all(g in self._reduced or g == gid for g in self.layout.param_gids[piece.name]):
-                    self.params[piece.name].grad = None
+        self._reduced.add(gid)
+        # what went to the partition leaves .grad: a later arrival is then exactly the part still to reduce
+        for piece in b.pieces:
+            p = self.params[piece.name]
+            if p.grad is None:
+                continue
+            if all(g in self._reduced for g in self.layout.param_gids[piece.name]):
+                self._drop_grad(piece.name)
+            else:
+                if not p.grad.is_contiguous():
+                    p.grad = p.grad.contiguous()
+                p.grad.view(-1)[piece.param_offset:piece.param_offset + piece.numel].zero_()
 
 
 def register_external_parameter(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
@@ -321,17 +479,19 @@ def register_external_parameter(module: torch.nn.Module, param: torch.nn.Paramet
 
 
 class _BackwardGather:
-    """Gradient hook on a module's outputs: gathers the module's buckets before its backward runs."""
+    """Gradient hook on a module's outputs: its buckets are gathered before its backward runs."""
 
-    __slots__ = ("coord", "mid", "gids")
+    __slots__ = ("coord", "serial", "index", "gids", "late")
 
-    def __init__(self, coord: ParamCoordinator, mid: int, gids: list[int]):
+    def __init__(self, coord: ParamCoordinator, serial: int, index: int, gids: list[int], late: bool):
         self.coord = coord
-        self.mid = mid
+        self.serial = serial  # the entries list it belongs to
+        self.index = index  # its entry
         self.gids = gids
+        self.late = late  # created inside a backward (recomputation): not an entry
 
     def __call__(self, grad):
-        self.coord._pre_backward(self.mid, self.gids)
+        self.coord._pre_backward(self)
         return None
 
 
