@@ -375,6 +375,50 @@ def sc_odd_split(rank, world, root):
     return out
 
 
+def sc_prefetch(rank, world, root):
+    """All-gathers posted ahead of the trace and of the backward cursor; the branch changes at steps 4 and 6
+    (the same on every rank), so some posted all-gathers go unused."""
+    from test_zero_init import Branchy
+    torch.manual_seed(0)
+    m = Branchy()
+    # depth 1 on this 3-module model: all-gathers one module ahead, reads two ahead (both stages in use)
+    opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(root + "/pf", params="nvme", prefetch_depth=1,
+                                                                 min_io_bytes=0))
+    co = opt.coordinator
+    before_change = None
+    for i, (x, y) in enumerate(batches(8)):
+        m.use_b = i in (4, 5)
+        loss_fn(m, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 3:
+            before_change = {"hits": co.gather_hits, "backward": co.gather_hits_backward, "dropped": co.gathers_dropped}
+    out = opt.full_state_dict()
+    out["counters"] = {"before_change": before_change, "hits": co.gather_hits, "dropped": co.gathers_dropped,
+                       "ahead": co.gathers_ahead, "most_ahead": co.most_ahead, "rebuilds": co.trace.rebuilds,
+                       "staged": co.stage.staged, "copies": co.stage.copies, "pending": len(co._pending),
+                       "most_per_module": max(len(g) for g in co._module_gids.values())}
+    opt.close()
+    return out
+
+
+def sc_qwz_prefetch(rank, world, root):
+    """qwZ with and without all-gathers posted ahead: the asynchronous quantized all-gather is the same one."""
+    from tierstore.quant import collectives as qc
+    out = {}
+    for depth in (0, 2):
+        _, m = make_pair()
+        opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(root + f"/qwz{depth}", prefetch_depth=depth,
+                                                                        quantized_weights=True, min_io_bytes=0))
+        qc.reset_traffic()
+        train(m, opt, batches(4), rank, world)
+        sent = qc.traffic()["all_gather_quantized"]
+        out[depth] = {"hits": opt.coordinator.gather_hits, "gathers": opt.coordinator.gathers,
+                      "bytes": sent.bytes_sent, "calls": sent.calls, "state": opt.full_state_dict()}
+        opt.close()
+    return out
+
+
 def sc_resume_other_world(rank, world, root):
     """Load the checkpoint the world-2 run wrote (path in <root>/from2) and train the next STEPS here."""
     src = open(os.path.join(root, "from2")).read()
@@ -391,8 +435,9 @@ def sc_resume_other_world(rank, world, root):
 
 SCENARIOS = {"resume_other_world": sc_resume_other_world, "two_heads": sc_two_heads, "parity": sc_parity, "odd": sc_odd,
              "quant": sc_quant, "checkpoint": sc_checkpoint, "split_heads": sc_split_heads, "late": sc_late,
-             "fork": sc_fork, "grad_memory": sc_grad_memory, "accumulate": sc_accumulate, "odd_split": sc_odd_split}
-BACKWARD = ["split_heads", "late", "fork", "grad_memory", "accumulate", "odd_split"]
+             "fork": sc_fork, "grad_memory": sc_grad_memory, "accumulate": sc_accumulate, "odd_split": sc_odd_split,
+             "prefetch": sc_prefetch, "qwz_prefetch": sc_qwz_prefetch}
+BACKWARD = ["split_heads", "late", "fork", "grad_memory", "accumulate", "odd_split", "prefetch", "qwz_prefetch"]
 
 
 def _worker(rank, world, port, root, names):
@@ -660,3 +705,40 @@ def test_tied_unused_and_reused_in_buckets_of_their_own(world_results):
     assert torch.equal(full["out.weight"], full["emb.weight"])
     rel = max_rel(full, ref_m)
     assert rel <= 1e-5, rel
+
+
+# -- prefetch: all-gathers posted ahead ([Note: prefetch stages] in prefetch.py) -----------------------------------
+
+def test_all_gathers_posted_ahead_are_used_and_an_order_change_neither_hangs_nor_changes_results(world_results):
+    from test_zero_init import Branchy
+    world, _root, res = world_results
+    torch.manual_seed(0)
+    ref = Branchy()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(batches(8)):
+        ref.use_b = i in (4, 5)
+        loss_fn(ref, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    _same_on_every_rank(res, "prefetch", world)
+    c = res[0]["prefetch"]["counters"]
+    print(f"world {world}: prefetch counters {c}")
+    assert all(res[r]["prefetch"]["counters"] == c for r in range(world))  # the same collectives everywhere
+    before = c["before_change"]
+    assert before["hits"] > before["backward"] > 0  # forward and backward waited on all-gathers posted ahead
+    assert before["dropped"] == 0  # while the order held, every all-gather posted ahead was used
+    assert c["rebuilds"] >= 2 and c["dropped"] > 0  # the order changed: mispredicted ones were dropped...
+    assert c["pending"] == 0 and c["hits"] + c["dropped"] == c["ahead"]  # ...after being waited for
+    assert 0 < c["most_ahead"] <= c["most_per_module"]  # at most prefetch_depth (1) modules' buckets ahead
+    assert c["staged"] > 0 and c["copies"] == 0  # reads ahead went through the host->device stage (CPU: as is)
+    rel = max_rel(res[0]["prefetch"], ref)
+    assert rel <= 1e-5, rel
+
+
+def test_quantized_all_gather_posted_ahead_equals_the_synchronous_one(world_results):
+    world, _root, res = world_results
+    q = res[0]["qwz_prefetch"]
+    assert q[0]["hits"] == 0 and q[2]["hits"] > 0
+    for d in (0, 2):  # every all-gather was quantized and counted in quant.collectives.traffic()
+        assert q[d]["bytes"] > 0 and q[d]["calls"] == q[d]["gathers"]
+    assert all(torch.equal(q[0]["state"][k], q[2]["state"][k]) for k in q[0]["state"])  # bit for bit

@@ -238,5 +238,7 @@ def test_traced_prefetch_hits_and_rebuilds_on_order_change(tmp_path, caplog):
     assert co.trace.rebuilds >= 2
     assert any("order changed" in r.getMessage() for r in caplog.records)
     assert not co._prefetched  # nothing left in flight
+    assert co.stage.staged >= co.prefetch_hits > 0  # every shard read ahead went through the host->device stage
+    assert co.stage.copies == 0 and co.gathers_ahead == 0  # CPU: the stage hands shards through; world 1: no collective
     assert max_rel(opt.full_state_dict(), ref) <= 1e-6  # parity with prefetching and order changes
     opt.close()

@@ -67,7 +67,7 @@ import torch
 from ..errors import MisuseError
 from . import _dist
 from ._layout import Layout
-from .prefetch import Trace
+from .prefetch import DeviceStage, Trace
 
 log = logging.getLogger("tierstore.zero")
 
@@ -98,13 +98,16 @@ class ParamCoordinator:
         self._plive: set[int] = set()  # gids every rank counts as gathered ([Note: backward gathers])
         self._users: dict[int, int] = {}  # gid -> running modules needing it
         self._module_gids: dict[int, list[int]] = {}
-        self._prefetched: dict[int, Future] = {}
+        self._prefetched: dict[int, Future] = {}  # gid -> read (and staged) shard, [Note: prefetch stages]
+        self._pending: dict[int, _dist.Gathering] = {}  # gid -> all-gather posted ahead
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tierstore-prefetch") if prefetch_depth else None
+        self.stage = DeviceStage(device)
         self._empty: dict[torch.dtype, torch.Tensor] = {}
         self._trainable_in: dict[int, int] = {}
         for gid in self._trainable:
             self._trainable_in[gid] = len(set(p.name for p in layout.bucket(gid).pieces))
         self._world = _dist.world_and_rank(group)[0]
+        self._gather_ahead = self._world > 1 and prefetch_depth > 0  # stage 3 of [Note: prefetch stages]
         # -- backward state ([Note: backward gathers], [Note: gradient reduce-scatter])
         self._entries: list[tuple[int, list[int]]] = []  # (module id, gids) per hooked forward call
         self._serial = 0  # bumped when the entries are reset: hooks carrying an older serial are stale
@@ -125,9 +128,14 @@ class ParamCoordinator:
         self._in_forward = 0
         self._grad_counted: dict[str, int] = {}  # name -> bytes of its full .grad counted as alive
         # -- counters (tests, diagnostics)
-        self.gathers = 0  # all-gathers issued
-        self.prefetch_hits = 0
+        self.gathers = 0  # all-gathers issued (ahead or not)
+        self.prefetch_hits = 0  # shards read ahead that were used
         self.prefetch_hits_backward = 0
+        self.gathers_ahead = 0  # all-gathers posted ahead
+        self.gather_hits = 0  # ... that a module then waited for
+        self.gather_hits_backward = 0
+        self.gathers_dropped = 0  # ... that no module used (waited for and dropped)
+        self.most_ahead = 0  # the most buckets gathered ahead and not yet used, at once
         self.eager_reductions = 0  # world size 1: buckets reduced as soon as complete
         self.early_reductions = 0  # world size N: buckets reduced during backward by the schedule
         self.rereductions = 0  # dirty buckets reduced again at the end of backward
@@ -170,28 +178,57 @@ class ParamCoordinator:
         return e
 
     def gather(self, gids) -> None:
-        """Make `gids` held on this rank: one all-gather per bucket not held (a collective: every rank must
-        ask for the same buckets in the same order)."""
+        """Make `gids` held on this rank: one all-gather per bucket neither held nor posted ahead (a
+        collective: every rank must ask for the same buckets in the same order)."""
         new = []
         for gid in gids:
             if gid in self._live:
                 continue
-            b = self.layout.bucket(gid)
-            fut = self._prefetched.pop(gid, None)
-            if fut is not None:
-                shard = fut.result()
-                self.prefetch_hits += 1
+            pending = self._pending.pop(gid, None)
+            if pending is not None:
+                with torch.profiler.record_function("tierstore::all_gather_wait"):
+                    full = pending.wait()
+                self.gather_hits += 1
             else:
-                shard = self.fetch_shard(gid)
-            full = torch.empty(b.numel, dtype=b.dtype, device=self.device)
-            with torch.profiler.record_function("tierstore::all_gather"):
-                _dist.all_gather(shard.to(self.device), full, self.group, quantized=self.qwz)
+                b = self.layout.bucket(gid)
+                shard = self._shard(gid)
+                full = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+                with torch.profiler.record_function("tierstore::all_gather"):
+                    _dist.all_gather(shard, full, self.group, quantized=self.qwz)
+                self.gathers += 1
             self._live[gid] = full
             self._plive.add(gid)
-            self.gathers += 1
             new.append(gid)
         for gid in new:
             self._materialize(gid)
+
+    def _shard(self, gid: int) -> torch.Tensor:
+        """This rank's shard of `gid` on the compute device: read ahead, or read now."""
+        fut = self._prefetched.pop(gid, None)
+        if fut is not None:
+            staged = fut.result()
+            self.prefetch_hits += 1
+            return self.stage.ready(staged)
+        return self.fetch_shard(gid).to(self.device)
+
+    def _read_and_stage(self, gid: int):
+        """Worker thread: stages 1 and 2 of [Note: prefetch stages]."""
+        return self.stage.to_device(self.fetch_shard(gid))
+
+    def _gather_ahead_of(self, gids) -> None:
+        """Post the all-gathers of `gids` now, waited when a module needs them (stage 3). Only from the main
+        thread, at points every rank reaches in the same order."""
+        for gid in gids:
+            if gid in self._plive or gid in self._pending:
+                continue
+            b = self.layout.bucket(gid)
+            shard = self._shard(gid)
+            full = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+            with torch.profiler.record_function("tierstore::all_gather_post"):
+                self._pending[gid] = _dist.all_gather_async(shard, full, self.group, quantized=self.qwz)
+            self.gathers += 1
+            self.gathers_ahead += 1
+            self.most_ahead = max(self.most_ahead, len(self._pending))
 
     def _materialize(self, gid: int) -> None:
         for piece in self.layout.bucket(gid).pieces:
@@ -224,12 +261,18 @@ class ParamCoordinator:
             self.params[piece.name].data = self.empty(b.dtype)
 
     def release_all(self) -> None:
+        self._drop_prefetched()
         for gid in list(self._live):
             self.release(gid)
         self._plive.clear()
-        self._drop_prefetched()
 
     def _drop_prefetched(self) -> None:
+        """Drop what was fetched ahead and not used; an all-gather posted ahead is waited for first (every
+        rank posted it, so it completes)."""
+        for gid in sorted(self._pending):
+            self._pending[gid].wait()
+            self.gathers_dropped += 1
+        self._pending.clear()
         for fut in self._prefetched.values():
             try:
                 fut.result()
@@ -258,6 +301,10 @@ class ParamCoordinator:
         if self._in_forward == 0:
             self.trace.end()
             self._drop_prefetched()
+            if not self._in_backward:  # buckets kept for a module predicted next (see _post_forward)
+                for gid in list(self._live):
+                    if self._users.get(gid, 0) <= 0:
+                        self.release(gid)
 
     def _pre_forward(self, module, args) -> None:
         gids = self._module_gids[id(module)]
@@ -272,7 +319,8 @@ class ParamCoordinator:
                     f"received their gradient in this backward; recompute a module's forward before its "
                     f"parameters' gradients are complete")
         self.gather(gids)
-        self._prefetch_ahead()
+        if not self._in_backward:
+            self._prefetch_ahead()
 
     def _post_forward(self, module, args, output) -> None:
         gids = self._module_gids[id(module)]
@@ -286,22 +334,32 @@ class ParamCoordinator:
                     self._entries.append((id(module), gids))
                 for t in tensors:
                     t.register_hook(hook)
+        # a bucket the trace says the next modules use stays (e.g. packed small parameters of neighbours):
+        # the same prediction on every rank, so the same all-gathers are skipped everywhere
+        keep = () if self._in_backward or self._executor is None else {
+            g for mid in self.trace.upcoming(self.prefetch_depth) for g in self._module_gids.get(mid, ())}
         for g in gids:
             n = self._users.get(g, 0) - 1
             self._users[g] = n
-            if n <= 0:
+            if n <= 0 and g not in keep:
                 self.release(g, local_only=self._in_backward)
 
     def _prefetch_ahead(self) -> None:
+        """Forward: stages ahead of the trace ([Note: prefetch stages])."""
         if self._executor is None:
             return
-        for mid in self.trace.upcoming(self.prefetch_depth):
+        d = self.prefetch_depth
+        upcoming = self.trace.upcoming(2 * d if self._gather_ahead else d)
+        for mid in upcoming[d:] if self._gather_ahead else upcoming:
             self._read_ahead(self._module_gids.get(mid, ()))
+        if self._gather_ahead:
+            for mid in upcoming[:d]:
+                self._gather_ahead_of(self._module_gids.get(mid, ()))
 
     def _read_ahead(self, gids) -> None:
         for gid in gids:
-            if gid not in self._live and gid not in self._prefetched:
-                self._prefetched[gid] = self._executor.submit(self.fetch_shard, gid)
+            if gid not in self._plive and gid not in self._pending and gid not in self._prefetched:
+                self._prefetched[gid] = self._executor.submit(self._read_and_stage, gid)
 
     # -- backward -------------------------------------------------------------------------------------
     def _begin_backward(self) -> None:
@@ -336,9 +394,10 @@ class ParamCoordinator:
             self._reduce_due(self._visits)
             gids = self._entries[self._cursor][1]
             need = [g for g in gids if g not in self._plive]
-            hits = self.prefetch_hits
+            hits, ghits = self.prefetch_hits, self.gather_hits
             self.gather(need)
             self.prefetch_hits_backward += self.prefetch_hits - hits
+            self.gather_hits_backward += self.gather_hits - ghits
             for g in need:
                 if final or (self._done.get(g, 0) >= self._trainable_in.get(g, 1 << 62) and self._users.get(g, 0) <= 0):
                     self.release(g, local_only=True)  # nobody here needs it (any more)
@@ -347,11 +406,17 @@ class ParamCoordinator:
                 self._prefetch_backward()
 
     def _prefetch_backward(self) -> None:
-        """Read up the shards of the `prefetch_depth` entries below the cursor (local reads, no collective)."""
+        """Backward: stages ahead of the cursor, over the entries below it ([Note: prefetch stages]). Every
+        rank makes the same visits in the same order, so it posts the same all-gathers."""
         if self._executor is None:
             return
-        for j in range(self._cursor - 1, max(self._cursor - 1 - self.prefetch_depth, -1), -1):
-            self._read_ahead(g for g in self._entries[j][1] if g not in self._plive)
+        d, c = self.prefetch_depth, self._cursor
+        below = [self._entries[j][1] for j in range(c - 1, max(c - 1 - (2 * d if self._gather_ahead else d), -1), -1)]
+        for gids in below[d:] if self._gather_ahead else below:
+            self._read_ahead(gids)
+        if self._gather_ahead:
+            for gids in below[:d]:
+                self._gather_ahead_of(gids)
 
     def _grad_done(self, p: torch.Tensor) -> None:
         self._begin_backward()
