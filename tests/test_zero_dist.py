@@ -419,6 +419,31 @@ def sc_qwz_prefetch(rank, world, root):
     return out
 
 
+def gated_use(rank, step):
+    return rank == 1 and step % 3 == 0
+
+
+def sc_gated(rank, world, root):
+    """head1 gets a gradient only from rank 1, every third step: on the other steps no rank produced one and
+    the step skips it, as torch skips a parameter whose grad is None ([Note: no gradient])."""
+    torch.manual_seed(0)
+    m = SplitHeads()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                         config=cfg(root + "/gated", params="host", optimizer_states="nvme", min_io_bytes=0))
+    for i, (x, y) in enumerate(split_data(STEPS)):
+        outs = m(x.chunk(world)[rank])
+        yc = y.chunk(world)[rank]
+        loss = split_heads_loss(outs, yc, 0)
+        if gated_use(rank, i):
+            loss = loss + split_heads_loss(outs, yc, 1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out = opt.full_state_dict()
+    opt.close()
+    return out
+
+
 def sc_resume_other_world(rank, world, root):
     """Load the checkpoint the world-2 run wrote (path in <root>/from2) and train the next STEPS here."""
     src = open(os.path.join(root, "from2")).read()
@@ -436,8 +461,9 @@ def sc_resume_other_world(rank, world, root):
 SCENARIOS = {"resume_other_world": sc_resume_other_world, "two_heads": sc_two_heads, "parity": sc_parity, "odd": sc_odd,
              "quant": sc_quant, "checkpoint": sc_checkpoint, "split_heads": sc_split_heads, "late": sc_late,
              "fork": sc_fork, "grad_memory": sc_grad_memory, "accumulate": sc_accumulate, "odd_split": sc_odd_split,
-             "prefetch": sc_prefetch, "qwz_prefetch": sc_qwz_prefetch}
-BACKWARD = ["split_heads", "late", "fork", "grad_memory", "accumulate", "odd_split", "prefetch", "qwz_prefetch"]
+             "prefetch": sc_prefetch, "qwz_prefetch": sc_qwz_prefetch, "gated": sc_gated}
+BACKWARD = ["split_heads", "late", "fork", "grad_memory", "accumulate", "odd_split", "prefetch", "qwz_prefetch",
+            "gated"]
 
 
 def _worker(rank, world, port, root, names):
@@ -577,7 +603,7 @@ def _as_module(state):
 
 def test_rank_dependent_unused_parameters_do_not_hang(world_results):
     """Each rank leaves a different head without gradient; the result equals the mean of the ranks' losses
-    on one process (SGD: a zero gradient leaves a parameter where torch's skip would, momentum included)."""
+    on one process."""
     world, _root, res = world_results
     torch.manual_seed(0)
     ref = TwoHeads()
@@ -742,3 +768,26 @@ def test_quantized_all_gather_posted_ahead_equals_the_synchronous_one(world_resu
     for d in (0, 2):  # every all-gather was quantized and counted in quant.collectives.traffic()
         assert q[d]["bytes"] > 0 and q[d]["calls"] == q[d]["gathers"]
     assert all(torch.equal(q[0]["state"][k], q[2]["state"][k]) for k in q[0]["state"])  # bit for bit
+
+
+def test_parameter_without_gradient_on_any_rank_is_skipped_like_torch(world_results):
+    """AdamW with weight decay: a head that no rank used in a step must not move (nor its moments or step count
+    change), as torch skips it; a rank-dependent use is agreed over the ranks."""
+    world, _root, res = world_results
+    torch.manual_seed(0)
+    ref = SplitHeads()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for i, (x, y) in enumerate(split_data(STEPS)):
+        loss = 0
+        for r, (xc, yc) in enumerate(zip(x.chunk(world), y.chunk(world))):
+            outs = ref(xc)
+            loss = loss + split_heads_loss(outs, yc, 0)
+            if gated_use(r, i):
+                loss = loss + split_heads_loss(outs, yc, 1)
+        (loss / world).backward()
+        opt.step()
+        opt.zero_grad()
+    _same_on_every_rank(res, "gated", world)
+    rel = max_rel(res[0]["gated"], ref)
+    print(f"world {world}: parameter without gradient max relative difference {rel:.2e}")
+    assert rel <= 1e-5, rel

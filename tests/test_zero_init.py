@@ -217,7 +217,7 @@ def test_traced_prefetch_hits_and_rebuilds_on_order_change(tmp_path, caplog):
     torch.manual_seed(0)
     m = Branchy()
     ref = copy.deepcopy(m)
-    # plain SGD: a parameter stepped with a zero gradient (the unused branch) does not move, as in torch
+    # the unused branch gets no gradient and is skipped by the step, as in torch
     opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path, params="nvme", prefetch_depth=2,
                                                                 min_io_bytes=0))
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)

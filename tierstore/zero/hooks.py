@@ -55,6 +55,14 @@ in visits ([Note: backward gathers]), which every rank makes in the same order:
 - buckets never reduced early are reduced at the end, in bucket order.
 The first backward (and any backward after the entries changed) holds every full gradient until its end;
 later ones hold roughly the gradients of the buckets not yet due. One small collective per backward.
+
+[Note: no gradient]
+torch skips a parameter whose .grad is None; ZeRO-3 reduce-scatters every bucket, so the partition cannot
+tell "no gradient" from "zero gradient". The coordinator therefore records which trainable parameters
+received a gradient (post-accumulate-grad hook) and, at world size N, agrees the set in the same end-of-
+backward all_reduce (per-parameter flags, MAX = any rank): ``grad_names`` holds the parameters that got a
+gradient on some rank since the optimizer's last zero_grad(). The optimizer's step skips the others (see
+[Note: skipped parameters] in optimizer.py).
 """
 from __future__ import annotations
 
@@ -94,6 +102,7 @@ class ParamCoordinator:
         self._name_of = {id(p): n for n, p in params.items()}
         self._group_of = {n: gl for gl in layout.groups for n in gl.names}
         self._trainable = layout.trainable_gids()
+        self._trainable_param_names = [n for gl in layout.groups if gl.trainable for n in gl.names]
         self._live: dict[int, torch.Tensor] = {}  # gid -> gathered bucket this rank holds
         self._plive: set[int] = set()  # gids every rank counts as gathered ([Note: backward gathers])
         self._users: dict[int, int] = {}  # gid -> running modules needing it
@@ -127,6 +136,8 @@ class ParamCoordinator:
         self._cb_queued = False
         self._in_forward = 0
         self._grad_counted: dict[str, int] = {}  # name -> bytes of its full .grad counted as alive
+        self._got_grad: set[str] = set()  # parameters that received a gradient on this rank in this backward
+        self.grad_names: set[str] = set()  # ... on any rank since clear_grad_flags() ([Note: no gradient])
         # -- counters (tests, diagnostics)
         self.gathers = 0  # all-gathers issued (ahead or not)
         self.prefetch_hits = 0  # shards read ahead that were used
@@ -421,6 +432,7 @@ class ParamCoordinator:
     def _grad_done(self, p: torch.Tensor) -> None:
         self._begin_backward()
         name = self._name_of[id(p)]
+        self._got_grad.add(name)
         gids = self.layout.param_gids[name]
         for gid in gids:
             self._arrival[gid] = self._visits
@@ -467,6 +479,7 @@ class ParamCoordinator:
         self._reduced.clear()
         self._dirty.clear()
         self._arrival.clear()
+        self._got_grad.clear()
         self._seen.clear()
         self._done.clear()
         self._due = []
@@ -481,20 +494,30 @@ class ParamCoordinator:
             if gl.trainable:
                 yield from gl.names
 
+    def clear_grad_flags(self) -> None:
+        """Forget which parameters received a gradient (zero_grad)."""
+        self.grad_names.clear()
+
     def reduce_gradients(self) -> None:
-        """End of backward: agree on positions and dirty buckets, then reduce-scatter every trainable bucket
-        not reduced yet and every dirty one, in bucket order. See [Note: gradient reduce-scatter]."""
+        """End of backward: agree on positions, dirty buckets and which parameters got a gradient (one
+        all_reduce MAX), then reduce-scatter every trainable bucket not reduced yet and every dirty one, in
+        bucket order. See [Note: gradient reduce-scatter], [Note: no gradient]."""
         dirty = set(self._dirty)
+        got = self._got_grad
         if self._world > 1:
             n = len(self._entries)
+            names = self._trainable_param_names
             flags = torch.tensor([self._arrival.get(g, -1) for g in self._trainable]
-                                 + [1 if g in dirty else 0 for g in self._trainable], dtype=torch.int64)
+                                 + [1 if g in dirty else 0 for g in self._trainable]
+                                 + [1 if name in got else 0 for name in names], dtype=torch.int64)
             _dist.all_reduce_max(flags, self.group)
             t = len(self._trainable)
-            pos = flags[:t].tolist()
-            dirty = {g for g, d in zip(self._trainable, flags[t:].tolist()) if d}
-            self._schedule = sorted((p if p >= 0 else n, g) for g, p in zip(self._trainable, pos))
+            flags = flags.tolist()
+            dirty = {g for g, d in zip(self._trainable, flags[t:2 * t]) if d}
+            got = {name for name, f in zip(names, flags[2 * t:]) if f}
+            self._schedule = sorted((p if p >= 0 else n, g) for g, p in zip(self._trainable, flags[:t]))
             self._schedule_key = self._entries_key()
+        self.grad_names |= got
         for gid in self._trainable:
             if gid in dirty:
                 self.rereductions += 1

@@ -15,8 +15,8 @@ for optimizers whose update is elementwise -- each element's new value depends o
 parameter, gradient and states, and on scalars (lr, step count) -- so the allow-list below is checked and
 anything else is refused: a factored (Adafactor) or line-search (LBFGS) update over a flat shard would
 silently be a different optimizer.
-One difference from plain torch, shared with DeepSpeed: a parameter that got no gradient since zero_grad()
-is stepped with a zero gradient (torch skips it), so weight decay and momentum still apply to it.
+As in torch (and unlike DeepSpeed, which steps it with a zero gradient), a parameter that got no gradient
+since zero_grad() is not stepped: see [Note: skipped parameters].
 """
 from __future__ import annotations
 
@@ -220,6 +220,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self._state_keys: dict[int, list[str]] = {}
         self._aux: dict[int, dict] = {}
         self._grad_stats: dict[int, tuple[float, bool]] = {}  # gid -> (sum of squares, all finite)
+        self._skip_runs: dict[int, list[tuple[int, int]]] = {}  # [Note: skipped parameters], for this step
+        self._fresh: dict[int, dict[str, float]] = {}  # group -> _fresh_state
         self._clip_coef = 1.0
         self._scaler = _LossScaler(cdt == torch.float16, config.initial_loss_scale, config.loss_scale_window,
                                    config.min_loss_scale)
@@ -484,7 +486,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         coef = self._clip_coef / self._scaler.scale
         on_disk = "nvme" in (self.config.optimizer_states, self.config.gradients) or (
             self.config.params == "nvme" and not self._shared_master)
-        gids = self.layout.trainable_gids()
+        gids = self._gids_to_step()
         if (not on_disk and self.config.gradients == self.config.optimizer_states
                 and all(gid in self._state_keys for gid in gids)):
             self._step_in_place(gids, coef)  # [Note: one inner step for memory tiers]
@@ -496,6 +498,65 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self._clip_coef = 1.0
         self.steps += 1
         return loss
+
+    # [Note: skipped parameters]
+    # Like torch, a trainable parameter that got no gradient on any rank since zero_grad() is not stepped
+    # (coordinator.grad_names, [Note: no gradient] in hooks.py). A sub-group (one bucket) none of whose
+    # parameters got one is left out of the step. In a sub-group mixing both, the inner optimizer steps the
+    # whole flat shard (zero gradient on the skipped elements), then the skipped elements of the master and of
+    # every per-element state that existed before the step are put back: an elementwise update touches each
+    # element on its own, so the rest is exactly what stepping only them gives. In a per-element state created
+    # by this very step, the skipped elements get what one zero-gradient step makes of a fresh state on a zero
+    # parameter (_fresh_state: 0 for Adam's moments and SGD's momentum, lr for Rprop's step size), not what
+    # weight decay folded into their zero gradient would make of it; torch creates such a state at the
+    # parameter's first real step instead -- the same values, except that SGD then starts that momentum at
+    # (1 - dampening) x grad where torch starts it at grad (equal unless dampening != 0). Scalar states
+    # (`step`, NAdam's mu_product, ASGD's eta and mu) stay per sub-group: a parameter skipped while the rest
+    # of its sub-group stepped gets its bias corrections from the sub-group's count, not from a count of its
+    # own as in torch (exact when it has a sub-group to itself, e.g. min_io_bytes=0). With 8-bit states such
+    # a sub-group takes the unfused path, and requantizing moves the skipped elements' states by the codec's
+    # rounding.
+
+    def _fresh_state(self, gi: int) -> dict[str, float]:
+        """Per-element state keys the inner optimizer creates lazily, and what one step with a zero gradient
+        makes of them (learnt once per group on a zero 1-element probe): Adam's moments 0, SGD's momentum 0,
+        Rprop's step size lr. A skipped element of a state created by this step gets that value."""
+        if gi not in self._fresh:
+            probe = torch.zeros(1, device=self.device)
+            opts = {k: v for k, v in self.inner.param_groups[gi].items() if k != "params"}
+            tmp = self.optimizer_class([{"params": [probe], **opts}], **self.optimizer_kwargs)
+            probe.grad = torch.zeros(1, device=self.device)
+            tmp.step()
+            self._fresh[gi] = {k: float(v.reshape(-1)[0]) for k, v in tmp.state[probe].items()
+                               if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == 1}
+        return self._fresh[gi]
+
+    def _gids_to_step(self) -> list[int]:
+        """The sub-groups to step, and this rank's runs of skipped elements in each ([Note: skipped
+        parameters]); the same sub-groups on every rank (grad_names is agreed)."""
+        got = self.coordinator.grad_names
+        self._skip_runs = {}
+        gids = []
+        for gid in self.layout.trainable_gids():
+            b = self.layout.bucket(gid)
+            names = {pc.name for pc in b.pieces}
+            if not names & got:
+                continue
+            gids.append(gid)
+            if names <= got:
+                continue
+            lo, hi = b.shard_slice(self.rank).start, b.shard_slice(self.rank).stop
+            runs: list[tuple[int, int]] = []
+            for pc, start, stop in b.overlapping(lo, hi):
+                if pc.name in got:
+                    continue
+                if runs and runs[-1][1] == start - lo:
+                    runs[-1] = (runs[-1][0], stop - lo)
+                else:
+                    runs.append((start - lo, stop - lo))
+            if runs:
+                self._skip_runs[gid] = runs
+        return gids
 
     # [Note: in place on memory tiers]
     # A sub-group whose tensors live on a memory tier (device/host) is stepped on the tier's own copies:
@@ -560,6 +621,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         """Step the loaded sub-groups `items` [(gid, loaded)] with one inner.step() over their placeholders
         (the fused 8-bit ones with the native kernel); each loaded dict gains "new_state" and "master_out"."""
         staged = []
+        kept: dict[int, list] = {}  # id(placeholder) -> [(state key or None for the master, start, stop, values)]
+        stepped = False
         try:
             for gid, t in items:
                 got = t["got"]
@@ -589,8 +652,17 @@ class Zero3Optimizer(torch.optim.Optimizer):
                             state[k] = v
                 if state:
                     self.inner.state[ph] = state
+                runs = self._skip_runs.get(gid)
+                if runs:  # [Note: skipped parameters]
+                    n = master.numel()
+                    per_element = [(None, master)] + [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor)
+                                                      and v.dim() == 1 and v.numel() == n]
+                    kept[id(ph)] = [(k, a, e, v[a:e].clone()) for k, v in per_element for a, e in runs]
+                    kept[id(ph)] += [(k, a, e, fill) for k, fill in self._fresh_state(self._gid_group[gid]).items()
+                                     if k not in state for a, e in runs]
             if staged:
                 self.inner.step()
+            stepped = True
         except BaseException:
             for _gid, t in items:
                 t["stack"].close()
@@ -599,6 +671,13 @@ class Zero3Optimizer(torch.optim.Optimizer):
             for t, ph in staged:
                 t["new_state"] = self.inner.state.pop(ph, {})
                 t["master_out"] = ph.data
+                for k, a, e, values in kept.get(id(ph), ()) if stepped else ():
+                    dst = ph.data if k is None else t["new_state"].get(k)
+                    if isinstance(values, float):  # a state created by this step: its fresh value
+                        if isinstance(dst, torch.Tensor) and dst.dim() == 1 and dst.numel() == ph.data.numel():
+                            dst[a:e].fill_(values)
+                    else:
+                        dst[a:e].copy_(values)
                 ph.data = torch.empty(0, dtype=torch.float32, device=self.device)
                 ph.grad = None
         return [t for _gid, t in items]
@@ -646,7 +725,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
 
     def _fused8_for(self, gid: int) -> bool:
         """Whether sub-group `gid` is stepped by the fused 8-bit kernel ([Note: fused 8-bit step in ZeRO-3])."""
-        if not self._fused8:
+        if not self._fused8 or gid in self._skip_runs:  # skipped elements need the unfused path
             return False
         keys = self._state_keys.get(gid, ())
         return ("step" in keys and self._qs.get((gid, "exp_avg"), ("",))[0] == "dyn8s"
@@ -716,6 +795,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
                 self.store.delete(f"g{gid}")
         self._grad_stats.clear()
         self._clip_coef = 1.0
+        self.coordinator.clear_grad_flags()
         for p in self._params.values():
             p.grad = None
 
