@@ -268,6 +268,49 @@ def test_small_tensors_are_packed_into_few_large_writes(tmp_path):
             assert torch.equal(got[f"t{i}"], torch.full((1000 + i,), i, dtype=torch.float32))
 
 
+def test_one_buffer_pool_never_waits_on_the_open_staging_buffer(tmp_path):
+    """pinned_budget == buffer_bytes: the staging buffer of small writes holds the pool's only buffer; a large
+    write or read must seal it (its write frees the buffer) instead of waiting forever for a release."""
+    s = Store(tmp_path, host_budget=0, pinned_budget=1 << 20, buffer_bytes=1 << 20)
+    small = torch.arange(100, dtype=torch.float32)
+    big = torch.randn(700_000)  # 2.8 MB: streamed through the one buffer in three chunks
+    done = threading.Event()
+
+    def work():
+        s.put("small", small, tier="nvme")
+        s.put("big", big, tier="nvme")
+        s.put("small2", small + 1, tier="nvme")
+        assert torch.equal(s.get("big"), big)
+        assert torch.equal(s.get("small"), small) and torch.equal(s.get("small2"), small + 1)
+        done.set()
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(60)
+    # a stuck store is left to the daemon thread (closing it would wait on the same buffer)
+    assert done.is_set(), "the store waited for a pool buffer held by its own staging buffer"
+    # the same with two threads: small writes keep reopening the staging buffer while big reads want it
+    stop, errors = threading.Event(), []
+
+    def writer():
+        try:
+            for i in range(200):
+                s.put(f"w{i % 4}", small + i, tier="nvme")
+        except BaseException as e:  # reported below
+            errors.append(e)
+        finally:
+            stop.set()
+    w = threading.Thread(target=writer, daemon=True)
+    reads = threading.Thread(target=lambda: [torch.equal(s.get("big"), big) or errors.append("bad read")
+                                             for _ in range(20)], daemon=True)
+    w.start()
+    reads.start()
+    w.join(60)
+    reads.join(60)
+    assert stop.is_set() and not reads.is_alive(), "a big read waited on a staging buffer reopened by a writer"
+    assert not errors
+    s.close()
+
+
 def test_spill_lru_to_next_tier_with_debug_log(tmp_path, caplog):
     mib = 1 << 20
     with Store(tmp_path, device_budget=3 * mib, host_budget=2 * mib) as s, \

@@ -490,6 +490,29 @@ def test_eval_under_no_grad_matches_and_releases(tmp_path):
         opt.close()
 
 
+def test_one_buffer_pinned_budget_does_not_hang(tmp_path):
+    """pinned_bytes == one pool buffer (4 MiB) with everything on nvme: the step's reader must not wait for the
+    buffer the writer's small puts keep in the store's staging buffer (a hang before the fix)."""
+    import threading
+    torch.manual_seed(0)
+    m = Net(d=64, h=128)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, config=cfg(tmp_path, params="nvme", states="nvme", grads="nvme",
+                                                          pinned_bytes=4 << 20))
+    done = threading.Event()
+
+    def train():
+        for x, y in batches(3, d=64):
+            loss_fn(m, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        done.set()
+    t = threading.Thread(target=train, daemon=True)
+    t.start()
+    t.join(120)
+    assert done.is_set(), "training with a one-buffer pinned budget hung"
+    opt.close()
+
+
 def test_bench_optim_runs_small(tmp_path):
     import json
 

@@ -491,7 +491,7 @@ class NvmeTier:
         for i in range(chunks):
             a = i * bb
             take = min(bb, n - a)
-            buf = self.pool.lease()  # waits while every buffer is in flight: back-pressure
+            buf = self._lease()
             ctypes.memmove(buf.addr, addr + a, take)
             crc = crc_at(buf.addr, take, crc)  # [Note: one pass over the data, while it is in cache]
             try:
@@ -610,6 +610,24 @@ class NvmeTier:
             self.stats.add("out", moved, time.perf_counter() - t0)
         return errors
 
+    def _lease(self) -> Buffer:
+        """A pool buffer, waiting while every buffer is in flight (back-pressure). The open staging buffer of
+        small writes holds one of them until it is sealed; when none is free, it is sealed first -- its
+        write then frees the buffer -- so that a small pool (one buffer: pinned_budget == buffer_bytes) can
+        never wait on a release that only a later small write or a flush would bring. The wait is short and
+        repeated: another thread's small write may take the freed buffer for a new staging buffer."""
+        while True:
+            buf = self.pool.try_lease()
+            if buf is not None:
+                return buf
+            with self._lock:
+                if self._staging is not None:
+                    self._seal()
+            try:  # another thread's small write may open a new staging buffer with the freed one: look again
+                return self.pool.lease(timeout=0.05)
+            except TimeoutError:
+                continue
+
     def _lease_or_finish(self, window: deque, finish) -> Buffer:
         """A pool buffer; while none is free, finish the oldest read of `window` (freeing its buffer)."""
         buf = self.pool.try_lease()
@@ -618,7 +636,7 @@ class NvmeTier:
                 finish()
                 buf = self.pool.try_lease()
             else:
-                buf = self.pool.lease()
+                buf = self._lease()
         return buf
 
     def _read_big(self, items, idx: list[int], errors: list) -> None:
