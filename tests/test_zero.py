@@ -490,6 +490,53 @@ def test_eval_under_no_grad_matches_and_releases(tmp_path):
         opt.close()
 
 
+def _saved_storage_bytes(root) -> int:
+    """Bytes of distinct storages that the autograd graph under `root` holds for backward."""
+    seen, storages, stack = set(), {}, [root]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        saved = [getattr(fn, a) for a in dir(fn) if a.startswith("_saved_")]
+        if hasattr(fn, "saved_tensors"):  # a custom autograd.Function's node
+            saved += list(fn.saved_tensors)
+        for v in saved:
+            if isinstance(v, torch.Tensor):
+                st = v.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+        stack += [f for f, _ in fn.next_functions]
+    return sum(storages.values())
+
+
+def test_forward_leaves_no_gathered_linear_weight_alive(tmp_path):
+    """nn.Linear's own forward makes autograd keep a view of the gathered weight until backward; under
+    ZeRO-3 the graph holds the parameters themselves (released: empty), so after forward only activations
+    are held, and the gradients still equal torch's."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(256, 256) for _ in range(8)]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    m = nn.Sequential(*layers)
+    opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path, params="host"))
+    try:
+        for x in (torch.randn(4, 256), torch.randn(2, 3, 256)):
+            y = m(x).sum()
+            held = _saved_storage_bytes(y.grad_fn)
+            assert held <= 8 * x.numel() * 4, held  # the layers' inputs, not 8 x 256 KiB of weights
+            y.backward()
+            ref(x).sum().backward()
+            opt.step()
+            torch.optim.SGD(ref.parameters(), lr=0.1).step()
+            ref.zero_grad()
+            opt.zero_grad()
+        full = opt.full_state_dict()
+        for n, p in ref.named_parameters():
+            assert torch.allclose(full[n], p.detach(), rtol=1e-6, atol=1e-7), n
+    finally:
+        opt.close()
+    assert "forward" not in m[0].__dict__  # close() takes the instance forward back
+
+
 def test_one_buffer_pinned_budget_does_not_hang(tmp_path):
     """pinned_bytes == one pool buffer (4 MiB) with everything on nvme: the step's reader must not wait for the
     buffer the writer's small puts keep in the store's staging buffer (a hang before the fix)."""
