@@ -80,12 +80,14 @@ def _pack_into(x: torch.Tensor, buf: torch.Tensor, scheme: str, block_size: int)
 
 
 def all_gather_quantized(shard: torch.Tensor, group: dist.ProcessGroup | None = None, *,
-                         block_size: int = DEFAULT_BLOCK, out: torch.Tensor | None = None) -> torch.Tensor:
+                         block_size: int = DEFAULT_BLOCK, out: torch.Tensor | None = None, async_op: bool = False):
     """qwZ: int8 block-quantize this rank's ``shard``, all-gather codes and scales, dequantize on every rank.
 
     Every rank passes a shard of the same numel. Returns (or fills ``out``, contiguous, world x numel
     elements, fp32/bf16/fp16) the concatenation in rank order; rank r's part is within absmax_b / 254 of
-    its shard (per block b)."""
+    its shard (per block b). ``async_op=True``: the shard is quantized and the collective posted now (its
+    place in the sequence of collectives is now), and a handle is returned whose ``wait()`` dequantizes
+    into ``out`` and returns it -- the same bytes as the synchronous call."""
     check_block_size(block_size)
     world = dist.get_world_size(group)
     n = shard.numel()
@@ -98,14 +100,33 @@ def all_gather_quantized(shard: torch.Tensor, group: dist.ProcessGroup | None = 
     send = torch.empty(pn, dtype=torch.uint8)
     _pack_into(shard.reshape(-1), send, "int8", block_size)
     recv = torch.empty(world * pn, dtype=torch.uint8)
-    dist.all_gather_into_tensor(recv, send, group=group)
-    flat = out.view(-1)
-    for r in range(world):
-        dequantize(_packed(recv[r * pn:(r + 1) * pn], "int8", n, block_size), out=flat[r * n:(r + 1) * n])
-    t = _TRAFFIC["all_gather_quantized"]
-    t.bytes_sent += (world - 1) * pn
-    t.calls += 1
-    return out
+    work = dist.all_gather_into_tensor(recv, send, group=group, async_op=async_op)
+
+    def finish() -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        flat = out.view(-1)
+        for r in range(world):
+            dequantize(_packed(recv[r * pn:(r + 1) * pn], "int8", n, block_size), out=flat[r * n:(r + 1) * n])
+        t = _TRAFFIC["all_gather_quantized"]
+        t.bytes_sent += (world - 1) * pn
+        t.calls += 1
+        return out
+    return _Pending(finish) if async_op else finish()
+
+
+class _Pending:
+    """A quantized collective in flight: wait() finishes it (once) and returns its output."""
+
+    def __init__(self, finish):
+        self._finish = finish
+        self._out = None
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            self._out = self._finish()
+            self._finish = None
+        return self._out
 
 
 _SUBGROUPS: dict[tuple, tuple] = {}

@@ -49,35 +49,13 @@ def all_gather_async(shard: torch.Tensor, out: torch.Tensor, group=None, *, quan
     collectives is now, on every rank), the caller waits later. Bit-identical to all_gather.
 
     qwZ: this rank's shard is quantized now, the int8 payloads travel asynchronously and are dequantized in
-    wait(). The packing is quant.collectives' own (its private helpers, so the two cannot drift apart);
-    the bytes are counted in its traffic() like a synchronous all_gather_quantized."""
+    wait() (quant.collectives.all_gather_quantized with async_op=True)."""
     world, _ = world_and_rank(group)
     if world == 1:
         return Gathering(out.copy_(shard))
     if quantized and shard.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        from ..errors import TierstoreValueError
-        from ..quant import collectives as qc
-        from ..quant.layout import DEFAULT_BLOCK
-        from ..quant.quantized import dequantize
-        n = shard.numel()
-        if out.numel() != world * n or not out.is_contiguous():
-            raise TierstoreValueError(f"out must be contiguous with world x shard = {world * n} elements; got "
-                                      f"{out.numel()}")
-        pn = qc.payload_nbytes("int8", n, DEFAULT_BLOCK)
-        send = torch.empty(pn, dtype=torch.uint8)
-        qc._pack_into(shard.reshape(-1), send, "int8", DEFAULT_BLOCK)
-        recv = torch.empty(world * pn, dtype=torch.uint8)
-        work = dist.all_gather_into_tensor(recv, send, group=group, async_op=True)
-
-        def finish():
-            flat = out.view(-1)
-            for r in range(world):
-                dequantize(qc._packed(recv[r * pn:(r + 1) * pn], "int8", n, DEFAULT_BLOCK),
-                           out=flat[r * n:(r + 1) * n])
-            t = qc._TRAFFIC["all_gather_quantized"]
-            t.bytes_sent += (world - 1) * pn
-            t.calls += 1
-        return Gathering(out, work, finish, keep=(send, recv))
+        from ..quant.collectives import all_gather_quantized
+        return Gathering(out, finish=all_gather_quantized(shard, group, out=out, async_op=True).wait)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     shard = shard.contiguous()
     work = fn(out, shard, group=group, async_op=True)

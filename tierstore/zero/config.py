@@ -37,7 +37,9 @@ class OffloadConfig:
     quantized_weights: qwZ, an int8 all-gather of parameter shards (world > 1).
     quantized_gradients: qgZ, an int4 all-to-all reduce-scatter of gradients (world > 1).
     compute_dtype: dtype of the gathered parameters the model computes with; masters stay fp32.
-    prefetch_depth: modules ahead of use whose shards are read up from the store (traced prefetch; 0: off).
+    prefetch_depth: modules ahead of use whose buckets are prepared (traced prefetch; 0: off): shards read up
+        from the store and copied to the device 2 x depth modules ahead, all-gathers posted depth ahead
+        (world size > 1).
     sub_group_bytes: bytes of one bucket (a sub-group of the step pipeline), all ranks together.
     min_io_bytes: small parameters are packed until each rank's shard of a bucket reaches this (bytes).
     pinned_bytes: page-locked staging budget the nvme tier streams through (bytes).
