@@ -215,7 +215,8 @@ def run(args) -> int:
         print_table(f"bench optim: N={n_total:,} fp32 params in {k} tensors, {subgroups} sub-groups of "
                     f"{fmt_bytes(sg_elems * 4)}, median of {args.rounds} rounds (ms)",
                     ["case", "ms", "ratio", "target", ""], rows,
-                    caption=f"dynamic8 exp_avg at rest: {enc.encoded_nbytes} of {enc.nbytes} bytes")
+                    caption=f"dynamic8 exp_avg of one sub-group at rest: {enc.encoded_nbytes:,} bytes "
+                            f"(fp32: {sg_elems * 4:,})")
         write_json(args.json, {"params": n_total, "subgroups": subgroups, "median_s": med,
                                "samples": {k2: v.seconds for k2, v in res.items()}, "peak_rss_nvme": peaks,
                                "peak_bound": bound, "io_bytes": io_bytes})
