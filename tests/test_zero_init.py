@@ -147,6 +147,28 @@ def test_module_built_under_init_but_not_optimized_fails_clearly(tmp_path):
     opt.close()
 
 
+def test_weight_replaced_by_tying_is_freed_from_the_init_store(tmp_path):
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, 16)
+            self.head = nn.Linear(16, 100, bias=False)  # its own weight is offloaded when Linear's __init__ returns
+            self.head.weight = self.embed.weight  # ... and dropped here: its chunk must go with it
+
+        def forward(self, idx):
+            return self.head(self.embed(idx))
+    c = cfg(tmp_path, params="nvme")
+    init = Init(c)
+    with init:
+        m = Tied()
+    assert init._live == 1  # the embedding's chunk only
+    opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=c)
+    assert init._live == 0 and init.store is None  # everything taken: the Init store is closed
+    m(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+    opt.close()
+
+
 def test_tiled_linear_equals_linear_and_gathers_one_tile_at_a_time(tmp_path):
     torch.manual_seed(0)
     lin = nn.Linear(96, 80)

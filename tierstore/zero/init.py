@@ -108,6 +108,14 @@ class _Handle:
                 self.init._discard(k)
                 self.keys[i] = None
 
+    def __del__(self) -> None:
+        # the parameter holding this handle is gone without an optimizer taking it (e.g. replaced by tying,
+        # `head.weight = embed.weight`): free its chunks now rather than when the process ends
+        try:
+            self.discard()
+        except Exception:  # interpreter shutdown, or the Init store already closed: nothing left to free
+            pass
+
 
 class Init:
     """Context manager; see the module docstring. config: the OffloadConfig the optimizer will use (its
