@@ -52,9 +52,15 @@ and one destination sub-group.
 [Note: resharding on load]
 Every shard file holds fp32 shards of buckets of the layout the saving run used. A load rebuilds this rank's
 shards under its own layout over fp32 twins of both plans (see [Note: fp32 twin plans] in _layout.py); states
-with one element per parameter element (exp_avg, sum, momentum_buffer ...) move the same way, scalar states
-(step) are taken from the first source sub-group of the group (every sub-group steps together). Tiers are
-whatever the loading optimizer's config says.
+with one element per parameter element (exp_avg, sum, momentum_buffer ...) move the same way. Sub-groups
+do not all step together: one whose parameters never got a gradient has no states yet, and one skipped on
+some steps has its own `step` ([Note: skipped parameters] in optimizer.py). So the state keys are read per
+source sub-group: a destination sub-group takes the per-element states its sources hold (elements from a
+source without one get the value before a first step: 0, or the optimizer's eager initial state), its
+scalar states from the first of its sources that was stepped -- exact when the layouts match, the usual
+resume; merged onto another layout, sources with different counts share that one -- and no states at all
+when none of its sources was stepped (its first step creates them, as in a new run). Tiers are whatever
+the loading optimizer's config says.
 
 Version 1 checkpoints (one torch.save'd dict per rank, ``rank00000.pt``) still load, whole file at a time;
 any other version is refused with its number.
@@ -453,19 +459,29 @@ def _source_layout(body: dict) -> list[tuple[int, Plan, list[int]]]:
 
 
 def _assemble(ck: _Checkpoint, src: Plan, dst: Plan, s_gids: list[int], rank: int, roles: list[str],
-              dtype: torch.dtype, device):
-    """Yield (destination bucket, {role: this rank's shard}) one bucket at a time, each shard built from the
-    source records ``<src gid>.<role>`` of every source rank it overlaps. See [Note: streaming save and load]."""
+              dtype: torch.dtype, device, has=None, fill=None):
+    """Yield (destination bucket, {role: this rank's shard}, [source buckets it draws on, in order]) one bucket
+    at a time, each shard built from the source records ``<src gid>.<role>`` of every source rank it overlaps.
+    has(source bucket) -> the roles that source has records for (default: all); a role a destination's
+    sources hold nowhere is left out of its dict, and elements of a role from a source without it are
+    fill[role] (default 0). See [Note: streaming save and load]."""
     by_dst: dict[int, list] = {}
     for c in reshard_copies(src, dst, dst_ranks=[rank]):  # sorted by source: model order
         by_dst.setdefault(c.dst_bucket, []).append(c)
+    fill = fill or {}
     for b in dst.buckets:
-        out = {role: torch.zeros(b.shard_numel, dtype=dtype, device=device) for role in roles}
-        for c in by_dst.get(b.index, []):
-            for role in roles:
-                s = ck.record(c.src_rank, s_gids[c.src_bucket], role)
-                out[role][c.dst_offset:c.dst_offset + c.numel].copy_(s.reshape(-1)[c.src_offset:c.src_offset + c.numel])
-        yield b.index, out
+        copies = by_dst.get(b.index, [])
+        srcs = list(dict.fromkeys(c.src_bucket for c in copies))
+        present = {r for sb in srcs for r in (has(sb) if has else roles)}
+        out = {role: torch.full((b.shard_numel,), fill.get(role, 0.0), dtype=dtype, device=device)
+               for role in roles if role in present or not copies}
+        for c in copies:
+            for role in (has(c.src_bucket) if has else roles):
+                if role in out:
+                    s = ck.record(c.src_rank, s_gids[c.src_bucket], role)
+                    out[role][c.dst_offset:c.dst_offset + c.numel].copy_(
+                        s.reshape(-1)[c.src_offset:c.src_offset + c.numel])
+        yield b.index, out, srcs
         del out  # before the next bucket's: one destination sub-group at a time
 
 
@@ -499,23 +515,35 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
             continue
         if not gl.trainable:
             # over fp32 twins too, so the compute dtype may differ from the saving run's
-            for b, shard in _assemble(ck, fp32_twin(s_plan), fp32_twin(gl.plan), s_gids, me, ["param"],
-                                      torch.float32, "cpu"):
+            for b, shard, _srcs in _assemble(ck, fp32_twin(s_plan), fp32_twin(gl.plan), s_gids, me, ["param"],
+                                             torch.float32, "cpu"):
                 opt.store.put(f"p{gl.gids[b]}", shard["param"].to(opt.device, cfg.compute_dtype), tier=cfg.params)
             continue
-        # which states are per element (resharded) and which scalar (taken from the first sub-group)
+        # per source sub-group: which states are per element (resharded) and which scalar; a sub-group no
+        # step reached has none, and sub-groups skipped on some steps count their own `step`
+        # ([Note: resharding on load])
         first = ck.rank(0)
-        g0 = s_gids[0]
-        keys = [n[len(f"{g0}.state."):] for n in first.records if n.startswith(f"{g0}.state.")]
-        per_element = [k for k in keys if first.shape(f"{g0}.state.{k}") == (s_plan.buckets[0].shard_numel,)]
-        scalars = {k: first.read(f"{g0}.state.{k}") for k in keys if k not in per_element}
-        aux = first.aux_of(g0)
-        roles = ["master"] + [f"state.{k}" for k in per_element]
-        for b, shards in _assemble(ck, fp32_twin(s_plan), fp32_twin(gl.plan), s_gids, me, roles, torch.float32,
-                                   "cpu"):
-            st = {k: shards[f"state.{k}"] for k in per_element}
-            st.update({k: v.clone() for k, v in scalars.items()})
-            opt._import_subgroup(gl.gids[b], shards["master"], st, dict(aux))
+        per_element: dict[int, list[str]] = {}
+        scalars: dict[int, dict] = {}
+        aux: dict[int, dict] = {}
+        for sb, sg in enumerate(s_gids):
+            keys = [n[len(f"{sg}.state."):] for n in first.records if n.startswith(f"{sg}.state.")]
+            per_element[sb] = [k for k in keys
+                               if first.shape(f"{sg}.state.{k}") == (s_plan.buckets[sb].shard_numel,)]
+            scalars[sb] = {k: first.read(f"{sg}.state.{k}") for k in keys if k not in per_element[sb]}
+            aux[sb] = first.aux_of(sg)
+        all_keys = list(dict.fromkeys(k for sb in per_element for k in per_element[sb]))
+        fresh = opt._initial_state_values(opt._gid_group[gl.gids[0]])
+        roles = ["master"] + [f"state.{k}" for k in all_keys]
+        for b, shards, srcs in _assemble(
+                ck, fp32_twin(s_plan), fp32_twin(gl.plan), s_gids, me, roles, torch.float32, "cpu",
+                has=lambda sb: ["master"] + [f"state.{k}" for k in per_element[sb]],
+                fill={f"state.{k}": fresh.get(k, 0.0) for k in all_keys}):
+            st = {k: shards[f"state.{k}"] for k in all_keys if f"state.{k}" in shards}
+            stepped = [sb for sb in srcs if per_element[sb] or scalars[sb]]
+            if stepped:  # scalars of the first source sub-group that was stepped (all of them agree when
+                st.update({k: v.clone() for k, v in scalars[stepped[0]].items()})  # the layouts match)
+            opt._import_subgroup(gl.gids[b], shards["master"], st, dict(aux[stepped[0]]) if stepped else {})
             del shards, st
     opt._set_hyperparams(body["param_groups"])
     opt._scaler.load_state_dict(body["scaler"])

@@ -531,6 +531,15 @@ class Zero3Optimizer(torch.optim.Optimizer):
                                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == 1}
         return self._fresh[gi]
 
+    def _initial_state_values(self, gi: int) -> dict[str, float]:
+        """Per-element state keys of group `gi` and the value an element has before its first real step: the
+        eager initial state (Adagrad's sum) where the optimizer makes one, else _fresh_state's."""
+        vals = dict(self._fresh_state(gi))
+        for k, v in self._templates[gi].items():
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == 1:
+                vals[k] = float(v[0])
+        return vals
+
     def _gids_to_step(self) -> list[int]:
         """The sub-groups to step, and this rank's runs of skipped elements in each ([Note: skipped
         parameters]); the same sub-groups on every rank (grad_names is agreed)."""
@@ -841,7 +850,10 @@ class Zero3Optimizer(torch.optim.Optimizer):
                 self.store.delete(f"s{gid}.{k}")
         for k, v in state.items():
             self._put_state(gid, k, v.to(self.device))
-        self._state_keys[gid] = list(state)
+        if state:
+            self._state_keys[gid] = list(state)
+        else:  # a sub-group no step reached: its states are created by its first step, as in a new run
+            self._state_keys.pop(gid, None)
         self._aux[gid] = dict(aux)
 
     def _hyperparams(self) -> list[dict]:
