@@ -10,7 +10,11 @@ is assembled). The forward post-hook releases buckets no running module needs (a
 parent and a child sharing a bucket, or a module called twice, stay correct). Autograd saves the parameter
 itself for backward ([Note: linear keeps its parameters] makes that true for nn.Linear), so the released
 bucket's memory is free between forward and backward and the buckets are gathered again before the
-module's backward (see [Note: linear keeps its parameters]
+module's backward (see [Note: backward gathers]); a bucket is released again once every trainable
+parameter in it has accumulated its gradient (post-accumulate-grad hooks), or at the end of backward for
+buckets holding unused or frozen parameters.
+
+[Note: linear keeps its parameters]
 nn.Linear's forward (F.linear -> addmm / matmul on ``weight.t()``) makes autograd save a transposed *view*
 of the weight for backward: a view of the gathered bucket, which keeps the bucket's storage alive until
 backward however early the hooks release it. On a stack of Linear layers that is the whole model held at
@@ -19,10 +23,8 @@ points the forward of every hooked module whose class uses nn.Linear's own forwa
 tiles, subclasses that do not override forward) at ``_LinearKeepingParams``: F.linear inside an autograd
 Function that saves the input and the Parameter objects themselves -- not their data -- and computes the
 three gradients from them in backward, after the backward gather put the values back. Same products as
-torch's Linear backward (grad @ W, grad^T @ x, sum of grad). ``remove()`` restores the class's forward.
-
-[Note: backward gathers]); a bucket is released again once every trainable parameter in it has accumulated its gradient
-(post-accumulate-grad hooks), or at the end of backward for buckets holding unused or frozen parameters.
+torch's Linear backward (grad @ W, grad^T @ x, sum of grad); under torch.autocast the products run in the
+autocast dtype, as nn.Linear's do. ``remove()`` restores the class's forward.
 
 [Note: backward gathers]
 Which module backwards run, and when, is a local matter: with a rank-dependent loss (rank 0 reads head 0,
@@ -583,24 +585,36 @@ def register_external_parameter(module: torch.nn.Module, param: torch.nn.Paramet
 
 
 class _LinearKeepingParams(torch.autograd.Function):
-    """F.linear whose backward reads the parameters themselves. See [Note: linear keeps its parameters]."""
+    """F.linear whose backward reads the parameters themselves. See [Note: linear keeps its parameters].
+    Under torch.autocast the product runs in the autocast dtype, as nn.Linear's would, and each gradient
+    comes back in its tensor's own dtype."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
+        dev = x.device.type
+        ctx.cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         ctx.save_for_backward(x, weight, bias)
-        return torch.nn.functional.linear(x, weight, bias)
+        if ctx.cast is None:
+            return torch.nn.functional.linear(x, weight, bias)
+        c = ctx.cast
+        with torch.autocast(dev, enabled=False):
+            return torch.nn.functional.linear(x.to(c), weight.to(c), None if bias is None else bias.to(c))
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, bias = ctx.saved_tensors
+        if ctx.cast is not None:
+            grad = grad.to(ctx.cast)
+        w = weight if ctx.cast is None else weight.to(ctx.cast)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = grad.matmul(weight)
+            gx = grad.matmul(w).to(x.dtype)
         g2 = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[1]:
-            gw = g2.t().matmul(x.reshape(-1, x.shape[-1]))
+            x2 = x.reshape(-1, x.shape[-1])
+            gw = g2.t().matmul(x2 if ctx.cast is None else x2.to(ctx.cast)).to(weight.dtype)
         if bias is not None and ctx.needs_input_grad[2]:
-            gb = g2.sum(0)
+            gb = g2.sum(0).to(bias.dtype)
         return gx, gw, gb
 
 
