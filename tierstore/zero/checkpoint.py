@@ -462,19 +462,23 @@ def _assemble(ck: _Checkpoint, src: Plan, dst: Plan, s_gids: list[int], rank: in
               dtype: torch.dtype, device, has=None, fill=None):
     """Yield (destination bucket, {role: this rank's shard}, [source buckets it draws on, in order]) one bucket
     at a time, each shard built from the source records ``<src gid>.<role>`` of every source rank it overlaps.
-    has(source bucket) -> the roles that source has records for (default: all); a role a destination's
-    sources hold nowhere is left out of its dict, and elements of a role from a source without it are
-    fill[role] (default 0). See [Note: streaming save and load]."""
+    has(source bucket) -> the roles that source has records for (default: all); a role none of the sources
+    of the destination bucket (on any rank, so every rank of it agrees) holds is left out of its dict, and
+    elements of a role from a source without it are fill[role] (default 0). See [Note: streaming save and
+    load]."""
     by_dst: dict[int, list] = {}
     for c in reshard_copies(src, dst, dst_ranks=[rank]):  # sorted by source: model order
         by_dst.setdefault(c.dst_bucket, []).append(c)
+    srcs_of: dict[int, list[int]] = {}  # over every rank's shard of the destination bucket
+    for sb, db in dict.fromkeys((c.src_bucket, c.dst_bucket) for c in reshard_copies(src, dst)):
+        srcs_of.setdefault(db, []).append(sb)
     fill = fill or {}
     for b in dst.buckets:
         copies = by_dst.get(b.index, [])
-        srcs = list(dict.fromkeys(c.src_bucket for c in copies))
+        srcs = srcs_of.get(b.index, [])
         present = {r for sb in srcs for r in (has(sb) if has else roles)}
         out = {role: torch.full((b.shard_numel,), fill.get(role, 0.0), dtype=dtype, device=device)
-               for role in roles if role in present or not copies}
+               for role in roles if role in present}
         for c in copies:
             for role in (has(c.src_bucket) if has else roles):
                 if role in out:
