@@ -77,18 +77,28 @@ def reduce_scatter_avg(full: torch.Tensor, group=None, *, quantized: bool = Fals
     return out.div_(world)
 
 
+def _all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
+    """In place. The small CPU tensors of flags and statistics go to the accelerator when the group's backend
+    has no CPU side (NCCL alone: "No backend type associated with device type cpu"). That branch only runs
+    with an accelerator, never on the CPU-only development machine."""
+    backend = str(dist.get_backend(group))
+    if x.device.type == "cpu" and "gloo" not in backend and "mpi" not in backend and "cpu" not in backend:
+        acc = torch.accelerator.current_accelerator()
+        y = x.to(torch.device(acc.type, torch.accelerator.current_device_index()))
+        dist.all_reduce(y, op=op, group=group)
+        return x.copy_(y)
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
 def all_reduce_sum(x: torch.Tensor, group=None) -> torch.Tensor:
     world, _ = world_and_rank(group)
-    if world > 1:
-        dist.all_reduce(x, group=group)
-    return x
+    return _all_reduce(x, dist.ReduceOp.SUM, group) if world > 1 else x
 
 
 def all_reduce_max(x: torch.Tensor, group=None) -> torch.Tensor:
     world, _ = world_and_rank(group)
-    if world > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
-    return x
+    return _all_reduce(x, dist.ReduceOp.MAX, group) if world > 1 else x
 
 
 def barrier(group=None) -> None:
