@@ -681,6 +681,37 @@ def test_backward_that_raises_leaves_the_next_one_working(tmp_path):
         opt.close()
 
 
+def test_backward_that_raises_midway_keeps_what_it_accumulated_like_torch(tmp_path):
+    """World size 1: a backward that raised after some buckets were reduced, then no zero_grad(): what it had
+    accumulated stays, as torch keeps the .grad it accumulated, and the next step uses it."""
+    ref_m, z_m = make_pair()
+    ref = torch.optim.SGD(ref_m.parameters(), lr=0.1)
+    # buckets packing several parameters: the failed backward leaves some complete (reduced) and some not
+    opt = Zero3Optimizer(z_m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path))
+    (x, y), (x2, y2) = batches(2)
+
+    class Boom(torch.autograd.Function):  # raises once the head's and fc2's gradients are in, before fc1's
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+    try:
+        for m, o in ((ref_m, ref), (z_m, opt)):
+            h = torch.relu(m.norm(m.fc1(x)))
+            out = m.head(torch.tanh(m.fc2(Boom.apply(h))))
+            with pytest.raises(RuntimeError, match="boom"):
+                ((out - y) ** 2).mean().backward()
+            loss_fn(m, x2, y2).backward()  # no zero_grad(): accumulates onto what the failed one left
+            o.step()
+            o.zero_grad()
+        assert max_rel(opt.full_state_dict(), ref_m) <= 1e-6
+    finally:
+        opt.close()
+
+
 class Sometimes(nn.Module):
     """`extra` runs only on some steps; torch then leaves it alone (its grad is None)."""
 

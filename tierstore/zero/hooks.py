@@ -313,8 +313,21 @@ class ParamCoordinator:
     def _root_pre(self, module, args) -> None:
         if self._in_forward == 0 and self._in_backward and torch._C._current_graph_task_id() != self._bw_task:
             # the previous backward raised: the engine does not run its end callback
-            log.warning("a backward ended without reaching its end (it raised); its partial gradients are dropped")
             self._cb_queued = False
+            if self._world == 1:  # no collective: what it accumulated goes to the partitions, as torch keeps it
+                for gid in self.layout.trainable_gids():
+                    if gid not in self._reduced and any(self.params[pc.name].grad is not None
+                                                        for pc in self.layout.bucket(gid).pieces):
+                        self._reduce_bucket(gid)
+                self.grad_names |= self._got_grad
+                log.warning("a backward ended without reaching its end (it raised); the gradients it accumulated "
+                            "are kept, as torch keeps them: call zero_grad() to drop them")
+            else:  # finishing its reductions would need the other ranks, which are elsewhere
+                log.warning("a backward ended without reaching its end (it raised): the gradients of buckets it "
+                            "had already reduced stay in the gradient partitions, the rest are dropped; call "
+                            "zero_grad() to start the accumulation afresh")
+                self.grad_names |= {pc.name for gid in self._reduced for pc in self.layout.bucket(gid).pieces
+                                    if pc.name in self._got_grad}  # in the partitions: stepped, not skipped
             self._reset_backward()
             for n in self._trainable_names():
                 self._drop_grad(n)
