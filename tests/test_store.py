@@ -299,9 +299,15 @@ def test_one_buffer_pool_never_waits_on_the_open_staging_buffer(tmp_path):
             errors.append(e)
         finally:
             stop.set()
+    def reader():
+        try:
+            for _ in range(20):
+                if not torch.equal(s.get("big"), big):
+                    errors.append("bad read")
+        except BaseException as e:  # reported below
+            errors.append(e)
     w = threading.Thread(target=writer, daemon=True)
-    reads = threading.Thread(target=lambda: [torch.equal(s.get("big"), big) or errors.append("bad read")
-                                             for _ in range(20)], daemon=True)
+    reads = threading.Thread(target=reader, daemon=True)
     w.start()
     reads.start()
     w.join(60)
