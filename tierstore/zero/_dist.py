@@ -55,7 +55,7 @@ def all_gather_async(shard: torch.Tensor, out: torch.Tensor, group=None, *, quan
         return Gathering(out.copy_(shard))
     if quantized and shard.dtype in (torch.float32, torch.bfloat16, torch.float16):
         from ..quant.collectives import all_gather_quantized
-        return Gathering(out, finish=all_gather_quantized(shard, group, out=out, async_op=True).wait)
+        return Gathering(out, all_gather_quantized(shard, group, out=out, async_op=True))  # its wait() dequantizes
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     shard = shard.contiguous()
     work = fn(out, shard, group=group, async_op=True)

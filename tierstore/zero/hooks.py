@@ -329,7 +329,7 @@ class ParamCoordinator:
                 self.grad_names |= {pc.name for gid in self._reduced for pc in self.layout.bucket(gid).pieces
                                     if pc.name in self._got_grad}  # in the partitions: stepped, not skipped
             self._reset_backward()
-            for n in self._trainable_names():
+            for n in self._trainable_param_names:
                 self._drop_grad(n)
         if self._in_forward == 0 and not self._in_backward:
             self.trace.begin()
@@ -520,11 +520,6 @@ class ParamCoordinator:
         self._plive = set(self._live)
         self._drop_prefetched()
 
-    def _trainable_names(self):
-        for gl in self.layout.groups:
-            if gl.trainable:
-                yield from gl.names
-
     def clear_grad_flags(self) -> None:
         """Forget which parameters received a gradient (zero_grad)."""
         self.grad_names.clear()
@@ -555,7 +550,7 @@ class ParamCoordinator:
                 self._reduce_bucket(gid)
             elif gid not in self._reduced:
                 self._reduce_bucket(gid)
-        for n in self._trainable_names():
+        for n in self._trainable_param_names:
             self._drop_grad(n)
 
     def _drop_grad(self, name: str) -> None:
