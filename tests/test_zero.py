@@ -561,6 +561,53 @@ def test_linear_under_autocast_matches_torch(tmp_path):
         opt.close()
 
 
+def test_frozen_buckets_are_released_during_backward(tmp_path):
+    """A frozen base under a trainable head (adapter-style): each frozen layer's bucket goes once that layer's
+    backward is over, not at the end of backward (the whole frozen model gathered by then)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    for p in base.parameters():
+        p.requires_grad_(False)
+    head = nn.Linear(64, 4)
+    ref = nn.Sequential(copy.deepcopy(base), copy.deepcopy(head))
+    live = []
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base, self.head = base, head
+
+        def forward(self, x):
+            x = x.requires_grad_()  # so the first layer reports the end of its backward too
+            for layer in self.base:
+                x = torch.tanh(layer(x))
+                x.register_hook(lambda g: live.append(sum(1 for b in opt.coordinator._live
+                                                          if b not in opt.coordinator._trainable_in)))
+            return self.head(x)
+    m = Model()
+    opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path, min_io_bytes=0))
+    ref_opt = torch.optim.SGD(ref[1].parameters(), lr=0.1)
+    try:
+        for x, y in batches(2, d=64):
+            live.clear()
+            loss_fn(m, x, y).backward()
+            print("frozen buckets live at each layer's backward:", live)
+            # sampled as each layer's input gradient is complete: that layer's buckets are gone by then
+            assert max(live) <= 2, live  # 12 frozen buckets (6 weights, 6 biases) were all live at the end
+            r = x
+            for layer in ref[0]:
+                r = torch.tanh(layer(r))
+            ((ref[1](r) - y) ** 2).mean().backward()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        full = opt.full_state_dict()
+        assert torch.allclose(full["head.weight"], ref[1].weight, rtol=1e-6, atol=1e-7)
+    finally:
+        opt.close()
+
+
 def test_one_buffer_pinned_budget_does_not_hang(tmp_path):
     """pinned_bytes == one pool buffer (4 MiB) with everything on nvme: the step's reader must not wait for the
     buffer the writer's small puts keep in the store's staging buffer (a hang before the fix)."""

@@ -26,6 +26,18 @@ three gradients from them in backward, after the backward gather put the values 
 torch's Linear backward (grad @ W, grad^T @ x, sum of grad); under torch.autocast the products run in the
 autocast dtype, as nn.Linear's do. ``remove()`` restores the class's forward.
 
+[Note: releasing frozen buckets in backward]
+A bucket of trainable parameters is released in backward once all of them received their gradient; a bucket
+of frozen parameters (a frozen base model under adapters) has no such signal, and used to stay until the end
+of backward -- the whole frozen model gathered by then. So a hooked forward call that holds a frozen bucket
+passes its tensor inputs that require grad through an identity autograd Function (``_AfterBackwardFn``):
+its backward runs when the gradients of those inputs are complete, that is after every node of the call
+that consumed them ran, and it tells the coordinator that the call's backward is over. Each frozen bucket
+counts the entries still to finish; at zero, and with no forward running that uses it, it is released
+(locally: the protocol view of [Note: backward gathers] is unchanged, so no rank's collectives change).
+A call none of whose inputs requires grad (the first layer) gives no signal: its frozen buckets go at the
+end of backward, as before.
+
 [Note: backward gathers]
 Which module backwards run, and when, is a local matter: with a rank-dependent loss (rank 0 reads head 0,
 rank 1 head 1) the ranks' autograd graphs differ, and a bucket's release on completion differs with them
@@ -151,6 +163,8 @@ class ParamCoordinator:
         self._cb_queued = False
         self._in_forward = 0
         self._grad_counted: dict[str, int] = {}  # name -> bytes of its full .grad counted as alive
+        self._calls: list[_AfterBackward] = []  # tokens of the hooked forward calls running (nested)
+        self._frozen_left: dict[int, int] = {}  # frozen gid -> entries whose backward has not finished
         self._got_grad: set[str] = set()  # parameters that received a gradient on this rank in this backward
         self.grad_names: set[str] = set()  # ... on any rank since clear_grad_flags() ([Note: no gradient])
         # -- counters (tests, diagnostics)
@@ -332,6 +346,7 @@ class ParamCoordinator:
             for n in self._trainable_param_names:
                 self._drop_grad(n)
         if self._in_forward == 0 and not self._in_backward:
+            self._calls.clear()
             self.trace.begin()
             self._users.clear()
             self._entries = []  # hooks of the previous graph become stale ([Note: backward gathers])
@@ -349,6 +364,7 @@ class ParamCoordinator:
                         self.release(gid)
 
     def _pre_forward(self, module, args) -> None:
+        self._calls.append(None)  # popped by the post-hook, which runs even when this raises
         gids = self._module_gids[id(module)]
         self.trace.observe(id(module))
         for g in gids:
@@ -363,9 +379,25 @@ class ParamCoordinator:
         self.gather(gids)
         if not self._in_backward:
             self._prefetch_ahead()
+        if self._in_backward or not torch.is_grad_enabled() or all(g in self._trainable_in for g in gids):
+            return None
+        # frozen buckets: learn when this call's backward is over ([Note: releasing frozen buckets in backward])
+        token = self._calls[-1] = _AfterBackward(self, self._serial)
+        at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not at:
+            return None
+        wrapped = _AfterBackwardFn.apply(token, *(args[i] for i in at))
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        args = list(args)
+        for i, w in zip(at, wrapped):
+            args[i] = w
+        return tuple(args)
 
     def _post_forward(self, module, args, output) -> None:
         gids = self._module_gids[id(module)]
+        token = self._calls.pop() if self._calls else None
+        if token is not None and not self._in_backward:
+            token.index = len(self._entries)  # the entry appended below, if any
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors(output) if t.requires_grad]
             if tensors:
@@ -414,6 +446,11 @@ class ParamCoordinator:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
         self._cursor = len(self._entries)
         self._visits = 0
+        self._frozen_left = {}
+        for _mid, gids in self._entries:
+            for g in gids:
+                if g not in self._trainable_in:
+                    self._frozen_left[g] = self._frozen_left.get(g, 0) + 1
         self.peak_grad_bytes = self.grad_bytes
         key = self._entries_key()
         self._due = self._schedule if self._schedule is not None and key == self._schedule_key else []
@@ -485,6 +522,19 @@ class ParamCoordinator:
                 if self._world == 1 and gid not in self._reduced:  # no collective: reduce right away
                     self._reduce_bucket(gid)
                     self.eager_reductions += 1
+
+    def _after_backward(self, token: "_AfterBackward") -> None:
+        """A hooked forward call's backward is over (the gradients of its inputs are complete): a frozen
+        bucket no entry still to run needs is released. See [Note: releasing frozen buckets in backward]."""
+        if token.serial != self._serial or token.index is None or token.index >= len(self._entries):
+            return
+        for g in self._entries[token.index][1]:
+            n = self._frozen_left.get(g)
+            if n is None:
+                continue
+            self._frozen_left[g] = n - 1
+            if n - 1 <= 0 and self._users.get(g, 0) <= 0:
+                self.release(g, local_only=True)
 
     def _reduce_due(self, k: int) -> None:
         """World size N: reduce-scatter the buckets the schedule puts at or before visit k."""
@@ -638,6 +688,32 @@ class _InstanceForward:
 
     def remove(self) -> None:
         self.module.__dict__.pop("forward", None)
+
+
+class _AfterBackward:
+    """Token of one hooked forward call that holds frozen buckets: its entry, filled in by the post-hook."""
+
+    __slots__ = ("coord", "serial", "index")
+
+    def __init__(self, coord: ParamCoordinator, serial: int):
+        self.coord = coord
+        self.serial = serial
+        self.index: int | None = None
+
+
+class _AfterBackwardFn(torch.autograd.Function):
+    """Identity on a module call's inputs; its backward runs once their gradients are complete, i.e. after
+    the call's own backward consumed them. See [Note: releasing frozen buckets in backward]."""
+
+    @staticmethod
+    def forward(ctx, token, *xs):
+        ctx.token = token
+        return tuple(x.view_as(x) for x in xs) if len(xs) > 1 else xs[0].view_as(xs[0])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.token.coord._after_backward(ctx.token)
+        return (None, *grads)
 
 
 class _BackwardGather:
