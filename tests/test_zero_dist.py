@@ -215,11 +215,13 @@ def sc_parity(rank, world, root):
     return out
 
 
-def sc_odd(rank, world, root):
+def sc_odd(rank, world, root, split=False):
+    """Odd (tied, unused, called twice); split: every parameter in a bucket of its own, other tiers."""
     torch.manual_seed(0)
     m = Odd()
-    opt = Zero3Optimizer(m, torch.optim.Adam, lr=1e-2, config=cfg(root + "/odd", params="device",
-                                                                   optimizer_states="host", gradients="device"))
+    tiers = (dict(params="host", optimizer_states="host", min_io_bytes=0) if split else
+             dict(params="device", optimizer_states="host", gradients="device"))
+    opt = Zero3Optimizer(m, torch.optim.Adam, lr=1e-2, config=cfg(root + ("/odds" if split else "/odd"), **tiers))
     train(m, opt, odd_data(STEPS), rank, world, lossf=odd_loss)
     out = opt.full_state_dict()
     opt.close()
@@ -364,15 +366,7 @@ def sc_accumulate(rank, world, root):
 
 
 def sc_odd_split(rank, world, root):
-    """Odd (tied, unused, called twice) with every parameter in a bucket of its own."""
-    torch.manual_seed(0)
-    m = Odd()
-    opt = Zero3Optimizer(m, torch.optim.Adam, lr=1e-2, config=cfg(root + "/odds", params="host",
-                                                                   optimizer_states="host", min_io_bytes=0))
-    train(m, opt, odd_data(STEPS), rank, world, lossf=odd_loss)
-    out = opt.full_state_dict()
-    opt.close()
-    return out
+    return sc_odd(rank, world, root, split=True)
 
 
 def sc_prefetch(rank, world, root):
