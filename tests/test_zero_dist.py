@@ -369,6 +369,29 @@ def sc_odd_split(rank, world, root):
     return sc_odd(rank, world, root, split=True)
 
 
+def frozen_base_model():
+    """Net with its first layers frozen (an adapter-style fine-tune): their buckets go during backward."""
+    m, _ = make_pair()
+    for p in list(m.fc1.parameters()) + list(m.norm.parameters()) + list(m.fc2.parameters()):
+        p.requires_grad_(False)
+    return m
+
+
+def sc_frozen_base(rank, world, root):
+    m = frozen_base_model()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                         config=cfg(root + "/frozen", params="host", optimizer_states="host", min_io_bytes=0,
+                                    prefetch_depth=2))
+    data = batches(STEPS)
+    for x, y in data:  # inputs require grad, so the first layer reports the end of its backward too
+        loss_fn(m, x.chunk(world)[rank].requires_grad_(), y.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    out = opt.full_state_dict()
+    opt.close()
+    return out
+
+
 def sc_prefetch(rank, world, root):
     """All-gathers posted ahead of the trace and of the backward cursor; the branch changes at steps 4 and 6
     (the same on every rank), so some posted all-gathers go unused."""
@@ -455,9 +478,10 @@ def sc_resume_other_world(rank, world, root):
 SCENARIOS = {"resume_other_world": sc_resume_other_world, "two_heads": sc_two_heads, "parity": sc_parity, "odd": sc_odd,
              "quant": sc_quant, "checkpoint": sc_checkpoint, "split_heads": sc_split_heads, "late": sc_late,
              "fork": sc_fork, "grad_memory": sc_grad_memory, "accumulate": sc_accumulate, "odd_split": sc_odd_split,
-             "prefetch": sc_prefetch, "qwz_prefetch": sc_qwz_prefetch, "gated": sc_gated}
+             "prefetch": sc_prefetch, "qwz_prefetch": sc_qwz_prefetch, "gated": sc_gated,
+             "frozen_base": sc_frozen_base}
 BACKWARD = ["split_heads", "late", "fork", "grad_memory", "accumulate", "odd_split", "prefetch", "qwz_prefetch",
-            "gated"]
+            "gated", "frozen_base"]
 
 
 def _worker(rank, world, port, root, names):
@@ -541,6 +565,17 @@ def reference(model, opt, data, lossf=loss_fn):
         opt.step()
         opt.zero_grad()
     return model
+
+
+def test_frozen_base_released_in_backward_keeps_parity(world_results):
+    """Frozen buckets released as each call's backward ends ([Note: releasing frozen buckets in backward]):
+    local only, so the ranks' collectives and the results stay those of one process."""
+    world, _root, res = world_results
+    ref_m = frozen_base_model()
+    reference(ref_m, torch.optim.AdamW([p for p in ref_m.parameters() if p.requires_grad], lr=1e-2,
+                                       weight_decay=0.1), batches(STEPS))
+    rel = max_rel(res[0]["frozen_base"], ref_m)
+    assert rel <= 1e-5, rel
 
 
 def test_parity_with_single_process_full_batch(world_results):
