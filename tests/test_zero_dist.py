@@ -392,6 +392,19 @@ def sc_frozen_base(rank, world, root):
     return out
 
 
+def sc_recompute(rank, world, root):
+    """Non-reentrant activation checkpointing at world size N: recomputed forwards gather on demand."""
+    from test_zero import Checkpointed
+    torch.manual_seed(0)
+    m = Checkpointed(reentrant=False)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2,
+                         config=cfg(root + "/recompute", params="host", optimizer_states="host", prefetch_depth=2))
+    train(m, opt, batches(STEPS), rank, world)
+    out = opt.full_state_dict()
+    opt.close()
+    return out
+
+
 def sc_prefetch(rank, world, root):
     """All-gathers posted ahead of the trace and of the backward cursor; the branch changes at steps 4 and 6
     (the same on every rank), so some posted all-gathers go unused."""
@@ -479,9 +492,9 @@ SCENARIOS = {"resume_other_world": sc_resume_other_world, "two_heads": sc_two_he
              "quant": sc_quant, "checkpoint": sc_checkpoint, "split_heads": sc_split_heads, "late": sc_late,
              "fork": sc_fork, "grad_memory": sc_grad_memory, "accumulate": sc_accumulate, "odd_split": sc_odd_split,
              "prefetch": sc_prefetch, "qwz_prefetch": sc_qwz_prefetch, "gated": sc_gated,
-             "frozen_base": sc_frozen_base}
+             "frozen_base": sc_frozen_base, "recompute": sc_recompute}
 BACKWARD = ["split_heads", "late", "fork", "grad_memory", "accumulate", "odd_split", "prefetch", "qwz_prefetch",
-            "gated", "frozen_base"]
+            "gated", "frozen_base", "recompute"]
 
 
 def _worker(rank, world, port, root, names):
@@ -575,6 +588,16 @@ def test_frozen_base_released_in_backward_keeps_parity(world_results):
     reference(ref_m, torch.optim.AdamW([p for p in ref_m.parameters() if p.requires_grad], lr=1e-2,
                                        weight_decay=0.1), batches(STEPS))
     rel = max_rel(res[0]["frozen_base"], ref_m)
+    assert rel <= 1e-5, rel
+
+
+def test_activation_checkpointing_keeps_parity(world_results):
+    from test_zero import Checkpointed
+    world, _root, res = world_results
+    torch.manual_seed(0)
+    ref_m = Checkpointed(reentrant=False)
+    reference(ref_m, torch.optim.AdamW(ref_m.parameters(), lr=1e-2), batches(STEPS))
+    rel = max_rel(res[0]["recompute"], ref_m)
     assert rel <= 1e-5, rel
 
 

@@ -38,6 +38,17 @@ counts the entries still to finish; at zero, and with no forward running that us
 A call none of whose inputs requires grad (the first layer) gives no signal: its frozen buckets go at the
 end of backward, as before.
 
+[Note: activation recomputation]
+torch.utils.checkpoint runs a module's forward again inside backward (non-reentrant: when a backward node
+unpacks a tensor the first forward did not keep; reentrant: a nested backward over the recomputed graph).
+That forward's pre-hooks gather what the module's buckets miss (a bucket released since -- all its gradients
+in -- is gathered again), and its post-hooks release nothing: the nodes that asked for the recomputation,
+or the recomputed graph's own, read the parameters right after it, and the usual backward rules (gradients
+complete, frozen calls finished, end of backward) release them. A gather there is a collective at world size
+N, in recomputation order: the same on every rank when every rank's backward graph is the same (the same
+model and checkpointed regions on every rank, the usual case); a rank-dependent graph with recomputation
+is not covered.
+
 [Note: backward gathers]
 Which module backwards run, and when, is a local matter: with a rank-dependent loss (rank 0 reads head 0,
 rank 1 head 1) the ranks' autograd graphs differ, and a bucket's release on completion differs with them
@@ -99,7 +110,6 @@ from typing import Callable
 
 import torch
 
-from ..errors import MisuseError
 from . import _dist
 from ._layout import Layout
 from .prefetch import DeviceStage, Trace
@@ -366,16 +376,12 @@ class ParamCoordinator:
     def _pre_forward(self, module, args) -> None:
         self._calls.append(None)  # popped by the post-hook, which runs even when this raises
         gids = self._module_gids[id(module)]
-        self.trace.observe(id(module))
+        if not self._in_backward:  # a recomputation inside backward is not part of the forward's order
+            self.trace.observe(id(module))
         for g in gids:
             self._users[g] = self._users.get(g, 0) + 1
-        if self._in_backward:  # a forward run inside backward (recomputation): see the Note's "not covered"
-            missing = [g for g in gids if g in self._plive and g not in self._live]
-            if missing:
-                raise MisuseError(
-                    f"a forward inside backward needs buckets {missing}, released after all their parameters "
-                    f"received their gradient in this backward; recompute a module's forward before its "
-                    f"parameters' gradients are complete")
+        # a forward inside backward (activation recomputation) gathers what it misses on demand: see
+        # [Note: activation recomputation]
         self.gather(gids)
         if not self._in_backward:
             self._prefetch_ahead()
@@ -415,8 +421,10 @@ class ParamCoordinator:
         for g in gids:
             n = self._users.get(g, 0) - 1
             self._users[g] = n
-            if n <= 0 and g not in keep:
-                self.release(g, local_only=self._in_backward)
+            if n <= 0 and g not in keep and not self._in_backward:
+                self.release(g)
+            # inside backward the recomputed graph's nodes read these parameters next: the buckets stay until
+            # the backward releases them ([Note: activation recomputation])
 
     def _prefetch_ahead(self) -> None:
         """Forward: stages ahead of the trace ([Note: prefetch stages])."""
