@@ -646,6 +646,32 @@ def test_activation_checkpointing_matches_torch(tmp_path, reentrant):
         opt.close()
 
 
+def test_torch_transformer_layers_train_and_evaluate_like_torch(tmp_path):
+    """nn.MultiheadAttention reads out_proj's parameters without calling it, and TransformerEncoderLayer's
+    inference fast path reads every child's: both are gathered whole."""
+    torch.manual_seed(0)
+    m = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0), 2,
+                              enable_nested_tensor=False)
+    ref = copy.deepcopy(m)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path, params="nvme"))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    try:
+        for _ in range(3):
+            x = torch.randn(2, 5, 32, generator=g)
+            for model, o in ((m, opt), (ref, ref_opt)):
+                model(x).pow(2).mean().backward()
+                o.step()
+                o.zero_grad()
+        assert max_rel(opt.full_state_dict(), ref) <= 1e-6
+        m.eval()
+        ref.eval()
+        with torch.no_grad():  # the fused inference path
+            assert torch.allclose(m(x), ref(x), rtol=1e-5, atol=1e-6)
+    finally:
+        opt.close()
+
+
 def test_one_buffer_pinned_budget_does_not_hang(tmp_path):
     """pinned_bytes == one pool buffer (4 MiB) with everything on nvme: the step's reader must not wait for the
     buffer the writer's small puts keep in the store's staging buffer (a hang before the fix)."""

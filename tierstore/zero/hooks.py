@@ -197,6 +197,10 @@ class ParamCoordinator:
     # -- installation -----------------------------------------------------------------------------------
     def _install(self) -> None:
         root = self.model
+        for m in root.modules():  # [Note: modules that read their children's parameters]
+            if isinstance(m, _READS_CHILDREN):
+                for p in m.parameters():
+                    register_external_parameter(m, p)
         self._handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
         self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
         for m in root.modules():
@@ -641,10 +645,22 @@ class ParamCoordinator:
                 p.grad.view(-1)[piece.param_offset:piece.param_offset + piece.numel].zero_()
 
 
+# [Note: modules that read their children's parameters]
+# The hooks gather a module's parameters around *its* forward. Some torch modules read a child's parameters
+# without calling the child: nn.MultiheadAttention passes out_proj.weight / .bias to the attention function,
+# and nn.TransformerEncoderLayer / DecoderLayer take a fused fast path in inference that reads every
+# descendant's parameters. Those modules get all their descendants' parameters registered as external
+# parameters when the optimizer is built, so each is gathered whole (one layer) around its forward and
+# backward. Other modules that do the same need register_external_parameter (see its docstring).
+_READS_CHILDREN = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
+
+
 def register_external_parameter(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
     """Declare that `module`'s forward uses `param`, a parameter registered on another module (for example a
     head reading the embedding's weight through a reference). Its buckets are then gathered around
-    `module`'s forward and backward too. Call before building the Zero3Optimizer."""
+    `module`'s forward and backward too. Call before building the Zero3Optimizer. A module that reads its
+    children's parameters without calling them is gathered whole by registering each of
+    ``module.parameters()`` ([Note: modules that read their children's parameters])."""
     ext = module.__dict__.setdefault("_tierstore_external", [])
     if not any(p is param for p in ext):
         ext.append(param)
