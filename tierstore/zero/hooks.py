@@ -30,9 +30,10 @@ autocast dtype, as nn.Linear's do. ``remove()`` restores the class's forward.
 A bucket of trainable parameters is released in backward once all of them received their gradient; a bucket
 of frozen parameters (a frozen base model under adapters) has no such signal, and used to stay until the end
 of backward -- the whole frozen model gathered by then. So a hooked forward call that holds a frozen bucket
-passes its tensor inputs that require grad through an identity autograd Function (``_AfterBackwardFn``):
-its backward runs when the gradients of those inputs are complete, that is after every node of the call
-that consumed them ran, and it tells the coordinator that the call's backward is over. Each frozen bucket
+puts one multi-grad hook (torch.autograd.graph.register_multi_grad_hook) on its tensor inputs that require
+grad: it runs when their gradients are complete, that is after every node that consumed them -- the call's
+own backward among them -- ran, and it tells the coordinator that the call's backward is over. (An identity
+autograd Function on the inputs did the same, but broke modules that modify an input in place.) Each frozen bucket
 counts the entries still to finish; at zero, and with no forward running that uses it, it is released
 (locally: the protocol view of [Note: backward gathers] is unchanged, so no rank's collectives change).
 A call none of whose inputs requires grad (the first layer) gives no signal: its frozen buckets go at the
@@ -393,15 +394,10 @@ class ParamCoordinator:
             return None
         # frozen buckets: learn when this call's backward is over ([Note: releasing frozen buckets in backward])
         token = self._calls[-1] = _AfterBackward(self, self._serial)
-        at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if not at:
-            return None
-        wrapped = _AfterBackwardFn.apply(token, *(args[i] for i in at))
-        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
-        args = list(args)
-        for i, w in zip(at, wrapped):
-            args[i] = w
-        return tuple(args)
+        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if inputs:
+            torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads, t=token: self._after_backward(t))
+        return None
 
     def _post_forward(self, module, args, output) -> None:
         gids = self._module_gids[id(module)]
@@ -723,21 +719,6 @@ class _AfterBackward:
         self.coord = coord
         self.serial = serial
         self.index: int | None = None
-
-
-class _AfterBackwardFn(torch.autograd.Function):
-    """Identity on a module call's inputs; its backward runs once their gradients are complete, i.e. after
-    the call's own backward consumed them. See [Note: releasing frozen buckets in backward]."""
-
-    @staticmethod
-    def forward(ctx, token, *xs):
-        ctx.token = token
-        return tuple(x.view_as(x) for x in xs) if len(xs) > 1 else xs[0].view_as(xs[0])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.token.coord._after_backward(ctx.token)
-        return (None, *grads)
 
 
 class _BackwardGather:
