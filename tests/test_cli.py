@@ -1,4 +1,4 @@
-"""The command line: `tierstore info`, a tiny `tierstore demo` and a tiny `tierstore bench io` run end to end
+"""The command line: `tierstore info`, a tiny `tierstore demo` and tiny `tierstore bench io` / `store` runs end to end
 (JSON checked)."""
 from __future__ import annotations
 
@@ -40,3 +40,18 @@ def test_demo_trains_on_nvme_equal_to_torch(tmp_path):
     assert res["resumed"]["zero3"] == res["resumed"]["resumed"] and len(res["resumed"]["zero3"]) == 2
     assert res["nvme_bytes"] > 12 * res["parameters"]  # master + 2 states in fp32 (and the parameters) on disk
     assert not any((tmp_path / "d").iterdir())  # the demo cleans up its files
+
+
+def test_bench_store_runs_small(tmp_path):
+    out = tmp_path / "store.json"
+    (tmp_path / "d").mkdir()
+    rc = main(["bench", "store", "--dir", str(tmp_path / "d"), "--count", "100", "--size", "1M", "--large-count", "2",
+               "--rounds", "1", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())["results"]
+    for part, n in (("small", 100), ("large", 2)):
+        assert res[part]["tensors"] == n
+        samples = res[part]["samples"]
+        assert {"engine write+fsync", "engine read", "store put+flush", "store get (out=)"} <= set(samples)
+        assert all(s > 0 for v in samples.values() for s in v["seconds"])
+    assert not any((tmp_path / "d").iterdir())  # the benchmark cleans up its files

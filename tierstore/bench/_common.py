@@ -8,6 +8,7 @@ alternating A B A B, and reports each case as a ratio to its reference from the 
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import sys
@@ -153,3 +154,33 @@ def timed() -> Iterator[list[float]]:
         yield box
     finally:
         box.append(time.perf_counter() - t0)
+
+
+def drop_page_cache(paths) -> None:
+    """Flush `paths` and drop their pages from the page cache, so the next read comes from the disk."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def engine_pass(eng, path: str, mode: str, pieces) -> float:
+    """Seconds for the raw engine to write (mode "w", then fsync) or read (mode "r", from the disk: the page
+    cache dropped first) `pieces` [(tensor, byte offset)] of one file, all in flight at once -- the raw-disk
+    reference of the store and optim benchmarks."""
+    if mode == "r":
+        drop_page_cache([path])
+    f = eng.open(path, mode)
+    op = eng.write if mode == "w" else eng.read
+    t0 = time.perf_counter()
+    for t, off in pieces:
+        op(f, t, off)
+    eng.wait_all()
+    if mode == "w":
+        eng.fsync(f)
+    dt = time.perf_counter() - t0
+    eng.close_file(f)
+    return dt

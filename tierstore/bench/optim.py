@@ -23,7 +23,8 @@ import os
 import shutil
 import tempfile
 
-from ._common import Progress, fmt_bytes, interleave, print_table, size_arg, write_json
+from ._common import (Progress, drop_page_cache, engine_pass, fmt_bytes, interleave, print_table, size_arg,
+                      write_json)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,38 +108,20 @@ def run(args) -> int:
             b.fill_(1)
         rfile = os.path.join(root, "raw.bin")
 
+        pieces = [(b, i * req) for i, b in enumerate(bufs)]
+
         def raw_write():
-            f = eng.open(rfile, "w")
-            t0 = time.perf_counter()
-            for i, b in enumerate(bufs):
-                eng.write(f, b, i * req)
-            eng.wait_all()
-            eng.fsync(f)
-            dt = time.perf_counter() - t0
-            eng.close_file(f)
-            return dt
+            return engine_pass(eng, rfile, "w", pieces)
 
         def raw_read():
-            fd = os.open(rfile, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-            f = eng.open(rfile, "r")
-            t0 = time.perf_counter()
-            for i, b in enumerate(bufs):
-                eng.read(f, b, i * req)
-            eng.wait_all()
-            dt = time.perf_counter() - t0
-            eng.close_file(f)
-            return dt
+            return engine_pass(eng, rfile, "r", pieces)
 
         rfile2 = os.path.join(root, "raw2.bin")
         bufs2 = [aligned_empty(req) for _ in range(3 * subgroups)]
 
         def raw_readwrite():
             # what a perfectly overlapped nvme step asks of the disk: read one file while writing another
-            fd = os.open(rfile, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+            drop_page_cache([rfile])
             fr, fw = eng.open(rfile, "r"), eng.open(rfile2, "w")
             t0 = time.perf_counter()
             for i, (b, b2) in enumerate(zip(bufs, bufs2)):

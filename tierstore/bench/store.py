@@ -19,7 +19,8 @@ import os
 import shutil
 import tempfile
 
-from ._common import Progress, fmt_bytes, gib_s, interleave, print_table, ratio, size_arg, write_json
+from ._common import (Progress, drop_page_cache, engine_pass, fmt_bytes, gib_s, interleave, print_table, ratio,
+                      size_arg, write_json)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,16 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pinned", type=size_arg, default=128 << 20, help="the store's pinned_budget")
     p.add_argument("--only", choices=["small", "large"], help="run one workload")
-
-
-def _drop_cache(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _files(d: str) -> list[str]:
@@ -96,7 +87,7 @@ def _workload(name: str, tensors: dict, root: str, args, progress) -> dict:
 
     def store_get():
         s = Store.open(sdir, pinned_budget=args.pinned, host_budget=0)
-        _drop_cache(_files(sdir))
+        drop_page_cache(_files(sdir))
         t0 = time.perf_counter()
         got = s.get_many(names)
         dt = time.perf_counter() - t0
@@ -109,7 +100,7 @@ def _workload(name: str, tensors: dict, root: str, args, progress) -> dict:
 
     def store_get_out():
         s = Store.open(sdir, pinned_budget=args.pinned, host_budget=0)
-        _drop_cache(_files(sdir))
+        drop_page_cache(_files(sdir))
         t0 = time.perf_counter()
         got = s.get_many(names, out=outs)
         dt = time.perf_counter() - t0
@@ -117,33 +108,14 @@ def _workload(name: str, tensors: dict, root: str, args, progress) -> dict:
         s.close(flush=False)
         return dt
 
+    w_pieces = [(src, 0)] if packed else [(a, offsets[k]) for k, a in srcs.items()]
+    r_pieces = [(dst, 0)] if packed else [(a, offsets[k]) for k, a in dsts.items()]
+
     def raw_write():
-        f = eng.open(rfile, "w")
-        t0 = time.perf_counter()
-        if packed:
-            eng.write(f, src, 0)
-        else:
-            for k, a in srcs.items():
-                eng.write(f, a, offsets[k])
-        eng.wait_all()
-        eng.fsync(f)
-        dt = time.perf_counter() - t0
-        eng.close_file(f)
-        return dt
+        return engine_pass(eng, rfile, "w", w_pieces)
 
     def raw_read():
-        _drop_cache([rfile])
-        f = eng.open(rfile, "r")
-        t0 = time.perf_counter()
-        if packed:
-            eng.read(f, dst, 0)
-        else:
-            for k, a in dsts.items():
-                eng.read(f, a, offsets[k])
-        eng.wait_all()
-        dt = time.perf_counter() - t0
-        eng.close_file(f)
-        return dt
+        return engine_pass(eng, rfile, "r", r_pieces)
 
     def torch_save():
         t0 = time.perf_counter()
@@ -154,7 +126,7 @@ def _workload(name: str, tensors: dict, root: str, args, progress) -> dict:
         return time.perf_counter() - t0
 
     def torch_load():
-        _drop_cache([tfile])
+        drop_page_cache([tfile])
         t0 = time.perf_counter()
         got = torch.load(tfile)
         dt = time.perf_counter() - t0
@@ -178,7 +150,7 @@ def _workload(name: str, tensors: dict, root: str, args, progress) -> dict:
         return time.perf_counter() - t0
 
     def torch_load_files():
-        _drop_cache(pfiles.values())
+        drop_page_cache(pfiles.values())
         t0 = time.perf_counter()
         got = {k: torch.load(pfiles[k]) for k in names}
         dt = time.perf_counter() - t0
