@@ -402,8 +402,6 @@ class ParamCoordinator:
     def _post_forward(self, module, args, output) -> None:
         gids = self._module_gids[id(module)]
         token = self._calls.pop() if self._calls else None
-        if token is not None and not self._in_backward:
-            token.index = len(self._entries)  # the entry appended below, if any
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors(output) if t.requires_grad]
             if tensors:
@@ -411,6 +409,8 @@ class ParamCoordinator:
                 hook = _BackwardGather(self, self._serial, len(self._entries), gids,
                                        late=self._in_backward)
                 if not self._in_backward:
+                    if token is not None:  # a call without an entry leaves its token's index None
+                        token.index = len(self._entries)
                     self._entries.append((id(module), gids))
                 for t in tensors:
                     t.register_hook(hook)
