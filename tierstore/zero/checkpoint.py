@@ -466,12 +466,13 @@ def _assemble(ck: _Checkpoint, src: Plan, dst: Plan, s_gids: list[int], rank: in
     of the destination bucket (on any rank, so every rank of it agrees) holds is left out of its dict, and
     elements of a role from a source without it are fill[role] (default 0). See [Note: streaming save and
     load]."""
-    by_dst: dict[int, list] = {}
-    for c in reshard_copies(src, dst, dst_ranks=[rank]):  # sorted by source: model order
-        by_dst.setdefault(c.dst_bucket, []).append(c)
-    srcs_of: dict[int, list[int]] = {}  # over every rank's shard of the destination bucket
-    for sb, db in dict.fromkeys((c.src_bucket, c.dst_bucket) for c in reshard_copies(src, dst)):
-        srcs_of.setdefault(db, []).append(sb)
+    by_dst: dict[int, list] = {}  # this rank's copies
+    srcs_of: dict[int, list[int]] = {}  # source buckets of every rank's shard of the destination bucket
+    for c in reshard_copies(src, dst):  # sorted by source: model order
+        if c.dst_rank == rank:
+            by_dst.setdefault(c.dst_bucket, []).append(c)
+        if c.src_bucket not in srcs_of.setdefault(c.dst_bucket, []):
+            srcs_of[c.dst_bucket].append(c.src_bucket)
     fill = fill or {}
     for b in dst.buckets:
         copies = by_dst.get(b.index, [])
