@@ -28,7 +28,10 @@
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <stddef.h>
 #include <unistd.h>
+
+#include "uring.h"
 
 /* ---- kernel ABI (include/uapi/linux/io_uring.h) --------------------------------------------- */
 
@@ -112,16 +115,9 @@ enum {
 #define REG_FILES 2
 #define REG_FILES_UPDATE 6
 
-/* ---- public constants (mirrored in tierstore/io/_native.py) ---------------------------------- */
+/* ---- constants (the public ones are in uring.h) ------------------------------------------------ */
 
-#define TS_READ 0
-#define TS_WRITE 1
 #define TS_WAKE_ID 0ULL /* user_data of the wake-up NOP; request ids are never 0 */
-
-#define TS_FAULT_NONE 0
-#define TS_FAULT_EIO 1
-#define TS_FAULT_SHORT 2
-#define TS_FAULT_ENOSPC 3
 
 /* ---- ring --------------------------------------------------------------------------------- */
 
@@ -276,8 +272,6 @@ fail : {
 }
 }
 
-int ts_reaper_stop(struct ts_ring *r);
-
 /* Free the ring (stopping the completion thread). The caller guarantees no request is in flight. */
 void ts_ring_destroy(struct ts_ring *r)
 {
@@ -373,17 +367,7 @@ static int fill_from_pending(struct ts_ring *r)
     return queued ? push_submit(r) : 0;
 }
 
-/* One request as the caller describes it (mirrored by a numpy dtype in tierstore/io/_uring.py). */
-struct ts_io {
-    uint64_t id;       /* returned with the completion; never TS_WAKE_ID */
-    int32_t op;        /* TS_READ / TS_WRITE */
-    int32_t fd;        /* plain descriptor, or registered-file index when fixed_file != 0 */
-    int32_t fixed_file;
-    int32_t buf_index; /* registered buffer holding [addr, addr+len), or -1 */
-    uint64_t addr;
-    uint64_t len;      /* bytes */
-    uint64_t off;      /* bytes */
-};
+/* struct ts_io (uring.h) is mirrored by a numpy dtype in tierstore/io/_uring.py. */
 _Static_assert(sizeof(struct ts_io) == 48, "ts_io layout is shared with Python");
 
 /*
@@ -732,6 +716,20 @@ int ts_probe(void)
     if (rc == 0)
         ts_ring_destroy(r);
     return rc;
+}
+
+int ts_io_layout(uint64_t *out, unsigned n)
+{
+    const uint64_t layout[] = {
+        sizeof(struct ts_io), offsetof(struct ts_io, id), offsetof(struct ts_io, op), offsetof(struct ts_io, fd),
+        offsetof(struct ts_io, fixed_file), offsetof(struct ts_io, buf_index), offsetof(struct ts_io, addr),
+        offsetof(struct ts_io, len), offsetof(struct ts_io, off),
+    };
+    const unsigned count = sizeof(layout) / sizeof(layout[0]);
+    if (!out || n < count)
+        return -EINVAL;
+    memcpy(out, layout, sizeof(layout));
+    return (int)count;
 }
 
 /* The module is loaded with ctypes; this init only lets the import system find the built file. */

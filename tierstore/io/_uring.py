@@ -1,4 +1,5 @@
-"""ctypes bindings of native/uring.c. Every call returns 0 / a count or -errno."""
+"""ctypes bindings of native/uring.c, declared in native/uring.h (tests/test_native_abi.py checks these
+against it). Every call returns 0 / a count or -errno."""
 from __future__ import annotations
 
 import ctypes as C
@@ -12,7 +13,7 @@ FAULT_NONE, FAULT_EIO, FAULT_SHORT, FAULT_ENOSPC = 0, 1, 2, 3
 
 _P = C.c_void_p
 
-# struct ts_io in native/uring.c: one request of a batch.
+# struct ts_io in native/uring.h: one request of a batch.
 IO_DTYPE = np.dtype([("id", np.uint64), ("op", np.int32), ("fd", np.int32), ("fixed_file", np.int32),
                      ("buf_index", np.int32), ("addr", np.uint64), ("len", np.uint64), ("off", np.uint64)])
 assert IO_DTYPE.itemsize == 48
@@ -50,6 +51,8 @@ def lib() -> C.CDLL:
         lib.ts_update_file.restype = C.c_int
         lib.ts_probe.argtypes = []
         lib.ts_probe.restype = C.c_int
+        lib.ts_io_layout.argtypes = [C.POINTER(C.c_uint64), C.c_uint]
+        lib.ts_io_layout.restype = C.c_int
         lib._ts_typed = True
     return lib
 
