@@ -121,9 +121,18 @@ def test_registry_refuses_what_it_cannot_store():
         schemes.register(Scheme("toy_3", 202, 3, True, s.encode, s.decode, 0.1))
     with pytest.raises(TierstoreValueError, match="fused AdamW"):
         schemes.register(Scheme("toy_m", 203, 8, True, s.encode, s.decode, 0.1, fused_adamw="m"))
+    with pytest.raises(TierstoreValueError, match="already stores 'dyn8s'"):
+        schemes.register(Scheme("toy_c", 204, 8, True, s.encode, s.decode, 0.1, codec_id="tierstore.dynamic8",
+                                codec_config=(("signed", True), ("rounding", "nearest"))))
     with pytest.raises(TierstoreValueError, match="not known"):
         codec_for("toy_never_registered")
-    assert not {"toy_dup", "toy_3", "toy_m"} & set(SCHEMES)
+    assert not {"toy_dup", "toy_3", "toy_m", "toy_c"} & set(SCHEMES)
+    odd = schemes.register(Scheme("toy_foreign", 205, 8, True, s.encode, s.decode, 0.1, codec_id="other.codec"))
+    try:
+        with pytest.raises(TierstoreValueError, match="not one of tierstore's"):
+            codec_for(odd.name)
+    finally:
+        schemes.unregister(odd.name)
 
 
 def test_builtin_records_pin_the_stored_ids_and_codecs():

@@ -230,7 +230,11 @@ def codec_for(scheme: str, block_size: int = DEFAULT_BLOCK, dtype: torch.dtype =
     if name is None:
         raise TierstoreValueError(f"dtype={dtype} is not supported; use float32, bfloat16 or float16")
     s = get(scheme)
-    return _CODECS[s.codec_id](block_size, name, **dict(s.codec_config))
+    cls = _CODECS.get(s.codec_id)
+    if cls is None:
+        raise TierstoreValueError(f"scheme {s.name!r} names codec {s.codec_id!r}, which is not one of tierstore's "
+                                  f"({sorted(_CODECS)}); register it with codec_id left at its default")
+    return cls(block_size, name, **dict(s.codec_config))
 
 
 __all__ = ["BlockInt4", "BlockInt8", "BlockQuant", "Dynamic8", "HEADER_NBYTES", "codec_for", "encoded_nbytes",

@@ -94,6 +94,11 @@ def register(scheme: Scheme) -> Scheme:
     if scheme.fused_adamw is not None and (scheme.code_map is None or scheme.bits != 8):
         raise TierstoreValueError(f"scheme {scheme.name!r}: the fused AdamW kernel steps 8-bit dynamic-map codes "
                                   f"only; give it a code_map or set fused_adamw=None")
+    same = for_codec(scheme.codec_id, **dict(scheme.codec_config))
+    if same is not None:
+        raise TierstoreValueError(f"scheme {scheme.name!r}: codec {scheme.codec_id!r} with config "
+                                  f"{dict(scheme.codec_config)} already stores {same.name!r}; leave codec_id and "
+                                  f"codec_config at their defaults")
     _REGISTRY[scheme.name] = scheme
     return scheme
 
