@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Scheme ids: the `id` of the built-in records in tierstore/quant/schemes.py (stored in codec headers). */
 #define TSQ_INT8 0
 #define TSQ_INT4 1
 #define TSQ_DYN_SIGNED 2

@@ -13,7 +13,7 @@ import argparse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--numel", type=int, default=16 << 20, help="elements per tensor (default 16M)")
     p.add_argument("--blocks", default="256,4096", help="block sizes, comma-separated (default 256,4096)")
-    p.add_argument("--schemes", default="dyn8s,dyn8u,dyn8v,int8,int4", help="schemes (default all)")
+    p.add_argument("--schemes", default="", help="schemes, comma-separated (default: every registered scheme)")
     p.add_argument("--rounds", type=int, default=5, help="A B A B rounds per case (default 5)")
     p.add_argument("--no-step", action="store_true", help="skip the 8-bit AdamW step comparison")
     p.add_argument("--step-only", action="store_true", help="only the 8-bit AdamW step comparison")
@@ -31,7 +31,8 @@ def run(args) -> int:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    from tierstore.quant import dequantize, empty_quantized, quantize
+    from tierstore.quant import SCHEMES, dequantize, empty_quantized, quantize
+    from tierstore.quant.schemes import get
 
     try:
         import bitsandbytes.functional as bnbf  # optional reference; never a dependency
@@ -39,7 +40,7 @@ def run(args) -> int:
         bnbf = None
     n = args.numel
     blocks = [int(b) for b in args.blocks.split(",")]
-    schemes = args.schemes.split(",")
+    schemes = [get(s).name for s in args.schemes.split(",")] if args.schemes else list(SCHEMES)
     g = torch.Generator().manual_seed(0)
     data = {"normal": torch.randn(n, generator=g),
             "student-t3": torch.distributions.StudentT(3.0).sample((n,))}
@@ -66,7 +67,7 @@ def run(args) -> int:
                 else:
                     cases["copy"] = lambda x=x0: (out.copy_(x), None)[1]
                 for s in schemes:
-                    x = x0.abs() if s in ("dyn8u", "dyn8v") else x0
+                    x = x0 if SCHEMES[s].signed else x0.abs()  # an unsigned scheme gets |x|
                     q = empty_quantized(n, s, bs)
                     quantize(x, s, bs, out=q)
                     cases[f"{s} q"] = lambda x=x, s=s, bs=bs, q=q: (quantize(x, s, bs, out=q), None)[1]

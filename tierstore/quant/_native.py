@@ -9,8 +9,8 @@ import torch
 
 from .. import _native
 from ..errors import TierstoreValueError
-from .dynamic import build_tables
-from .layout import DTYPES, DYNAMIC, SCHEME_IDS
+from .layout import DTYPES
+from .schemes import Scheme, fused_adamw_pair, get
 
 #: tensors smaller than this run on one thread (starting threads costs ~20 us)
 THREAD_MIN_NUMEL = 1 << 16  # elements
@@ -69,13 +69,17 @@ def default_threads(numel: int) -> int:
     return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
 
 
-def _job(scheme: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, block: int,
+def _job(scheme: str | Scheme, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, block: int,
          nthreads: int | None) -> _Job:
-    j = _Job(scheme=SCHEME_IDS[scheme], dtype=DTYPES[x.dtype], n=x.numel(), block=block, x=x.data_ptr(),
+    s = get(scheme)
+    if not s.native:
+        raise TierstoreValueError(f"scheme {s.name!r} has no native kernel (its Scheme record says native=False); "
+                                  f"use backend='torch' or 'auto'")
+    j = _Job(scheme=s.id, dtype=DTYPES[x.dtype], n=x.numel(), block=block, x=x.data_ptr(),
              codes=codes.data_ptr(), absmax=absmax.data_ptr(),
              nthreads=nthreads if nthreads is not None else default_threads(x.numel()))
-    if scheme in DYNAMIC:
-        t = build_tables(*DYNAMIC[scheme])  # cached: the arrays outlive the call
+    if s.code_map is not None:
+        t = s.code_map()  # cached: the arrays outlive the call
         j.mids, j.lut, j.values = t.mids.ctypes.data, t.lut.ctypes.data, t.values.ctypes.data
         j.lut_shift, j.lut_base, j.lut_size = 15, t.lut_base, t.lut_size
     return j
@@ -89,29 +93,33 @@ def _check(rc: int, what: str) -> None:
                                   f"values (check for overflow before quantizing)")
 
 
-def quantize(scheme: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, block: int,
+def quantize(scheme: str | Scheme, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, block: int,
              nthreads: int | None = None) -> None:
     j = _job(scheme, x, codes, absmax, block, nthreads)
     _check(_lib.tsq_quantize(ctypes.byref(j)), "quantize")
 
 
-def dequantize(scheme: str, codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, block: int,
+def dequantize(scheme: str | Scheme, codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, block: int,
                nthreads: int | None = None) -> None:
     j = _job(scheme, out, codes, absmax, block, nthreads)
     _check(_lib.tsq_dequantize(ctypes.byref(j)), "dequantize")
 
 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, m_absmax: torch.Tensor,
-               v_codes: torch.Tensor, v_absmax: torch.Tensor, block: int, v_scheme: str, *, step: float, lr: float,
-               beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool,
-               nthreads: int | None = None, portable: bool = False) -> None:
-    """One fused AdamW step on fp32 ``param`` / ``grad`` (contiguous, n elements) with m in dyn8s and v in
-    ``v_scheme`` (dyn8u / dyn8v) codes, updated in place. ``step`` is the step number after incrementing
-    (1 on the first step). Constants are computed in double and rounded to fp32 as torch's fused kernel does."""
+               v_codes: torch.Tensor, v_absmax: torch.Tensor, block: int, v_scheme: str | Scheme, *, step: float,
+               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool,
+               nthreads: int | None = None, portable: bool = False, m_scheme: str | Scheme = "dyn8s") -> None:
+    """One fused AdamW step on fp32 ``param`` / ``grad`` (contiguous, n elements) with m in ``m_scheme`` and v in
+    ``v_scheme`` codes (schemes whose records name them for the "m" / "v" slot, schemes.fused_adamw_pair),
+    updated in place. ``step`` is the step number after incrementing (1 on the first step). Constants are
+    computed in double and rounded to fp32 as torch's fused kernel does."""
     import numpy as np
 
+    if not fused_adamw_pair(m_scheme, v_scheme):
+        raise TierstoreValueError(f"the fused AdamW kernel cannot step m in {get(m_scheme).name!r} and v in "
+                                  f"{get(v_scheme).name!r} codes; use adamw_step_8bit(backend='torch')")
     n = param.numel()
-    tm, tv = build_tables(*DYNAMIC["dyn8s"]), build_tables(*DYNAMIC[v_scheme])
+    tm, tv = get(m_scheme).code_map(), get(v_scheme).code_map()
     w1 = np.float32(1.0 - beta1)
     j = _AdamWJob(
         n=n, block=block, param=param.data_ptr(), grad=grad.data_ptr(), m_codes=m_codes.data_ptr(),

@@ -2,8 +2,9 @@
 
 Per block: absmax = max |x|; int8 codes q = round_half_even(x * (127 / absmax)) in [-127, 127] (-128 is never
 produced, so the grid is symmetric), decoded x^ = q * (absmax / 127). int4: the same with 7 in place of 127
-and q + 8 stored in a nibble (0 is never produced). All in fp32; ``127 / absmax`` and ``absmax / 127`` are
-true fp32 divisions, computed once per block.
+and q + 8 stored in a nibble (0 is never produced; the stored code is schemes.py's, the nibble packing
+packed.py's). All in fp32; ``127 / absmax`` and ``absmax / 127`` are true fp32 divisions, computed once
+per block.
 
 Error bound: |x - x^| <= absmax / 254 (int8), absmax / 14 (int4), per block, up to fp32 rounding of the
 product x * inv (a relative 2^-24, which the tests allow for).
@@ -38,18 +39,3 @@ def encode_reference(x: torch.Tensor, absmax: torch.Tensor, scheme: str) -> torc
 
 def decode_reference(q: torch.Tensor, absmax: torch.Tensor, scheme: str) -> torch.Tensor:
     return q.to(torch.float32) * _ratio(absmax, float(LEVELS[scheme]), absmax)[:, None]
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Flat int codes in [-7, 7] -> bytes, element i in byte i // 2, even elements in the low nibble."""
-    nib = (q.reshape(-1) + 8).to(torch.uint8)
-    if nib.numel() % 2:
-        nib = torch.cat([nib, torch.zeros(1, dtype=torch.uint8)])  # the padding nibble is 0
-    pairs = nib.view(-1, 2)
-    return pairs[:, 0] | (pairs[:, 1] << 4)
-
-
-def unpack_int4(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    lo = (packed & 15).to(torch.int32) - 8
-    hi = (packed >> 4).to(torch.int32) - 8
-    return torch.stack([lo, hi], dim=1).reshape(-1)[:numel]

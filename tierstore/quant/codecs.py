@@ -2,19 +2,24 @@
 TieredTensor's codec) or in a zarr array (zarr format 2: pass the codec as the compressor).
 
 [Note: encoded format, version 1]
-Little-endian, 20-byte header, then the per-block absmax, then the codes:
+Little-endian, a 20-byte header, then the packed buffer of packed.py ([Note: packed layout]: the per-block
+absmax, then the codes):
 
     offset  size  field
     0       3     magic b"TSQ"
     3       1     format version (1)
-    4       1     scheme id (0 int8, 1 int4, 2 dyn8 signed, 3 dyn8 unsigned, 4 dyn8 unsigned bounded rounding)
+    4       1     scheme id (Scheme.id: 0 int8, 1 int4, 2 dyn8 signed, 3 dyn8 unsigned, 4 dyn8 unsigned
+                  bounded rounding, others as registered; schemes.py)
     5       1     element dtype id (0 float32, 1 bfloat16, 2 float16)
     6       2     reserved, 0
     8       4     block size (elements)
     12      8     element count n
     20      4*B   absmax, float32, B = ceil(n / block size)
-    20+4B   C     codes: n bytes (int4: ceil(n / 2), element i in byte i // 2, even i in the low nibble)
+    20+4B   C     codes: n bytes (4-bit schemes: ceil(n / 2), element i in byte i // 2, even i in the low nibble)
 
+Which codec stores a scheme is in its Scheme record (codec_id, codec_config): the built-in schemes keep the
+codec ids they were stored with (tierstore.block_int8, tierstore.block_int4, tierstore.dynamic8 with
+signed / rounding), a registered scheme uses tierstore.blockquant with its name in the config.
 The shape is not stored (the Store's manifest and zarr's metadata hold it). Golden bytes of every scheme are
 committed under tests/fixtures/quant/ so that the format cannot change silently. A change is a new version.
 """
@@ -30,9 +35,10 @@ from numcodecs.compat import ensure_contiguous_ndarray, ensure_ndarray
 from numcodecs.registry import register_codec
 
 from ..errors import CorruptionError, TierstoreValueError
-from .layout import (DEFAULT_BLOCK, DTYPE_NAMES, DTYPES, DTYPES_BY_NAME, SCHEME_IDS, check_block_size, codes_nbytes,
-                     num_blocks)
+from . import packed
+from .layout import DEFAULT_BLOCK, DTYPE_NAMES, DTYPES, DTYPES_BY_NAME, check_block_size
 from .quantized import Quantized, dequantize, empty_quantized, quantize
+from .schemes import GENERIC_CODEC_ID, for_codec, get
 
 MAGIC = b"TSQ"
 VERSION = 1
@@ -43,7 +49,7 @@ _NP_VIEW = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16
 
 def encoded_nbytes(scheme: str, numel: int, block_size: int) -> int:
     """Bytes of one encoded tensor."""
-    return HEADER_NBYTES + 4 * num_blocks(numel, block_size) + codes_nbytes(scheme, numel)
+    return HEADER_NBYTES + packed.nbytes(scheme, numel, block_size)
 
 
 def _as_tensor(buf, dtype: torch.dtype) -> torch.Tensor:
@@ -89,11 +95,9 @@ class _BlockQuantCodec(Codec):
         raw = torch.frombuffer(out, dtype=torch.uint8) if not isinstance(out, torch.Tensor) else out.view(-1)
         if raw.numel() < need:
             raise TierstoreValueError(f"out holds {raw.numel()} bytes; encoding {n} elements needs {need}")
-        nb = num_blocks(n, self.block_size)
         raw[:HEADER_NBYTES].copy_(torch.frombuffer(bytearray(_HEADER.pack(
-            MAGIC, VERSION, SCHEME_IDS[self.scheme], DTYPES[x.dtype], 0, self.block_size, n)), dtype=torch.uint8))
-        q = Quantized(self.scheme, self.block_size, tuple(x.shape), x.dtype,
-                      raw[HEADER_NBYTES + 4 * nb: need], raw[HEADER_NBYTES: HEADER_NBYTES + 4 * nb].view(torch.float32))
+            MAGIC, VERSION, get(self.scheme).id, DTYPES[x.dtype], 0, self.block_size, n)), dtype=torch.uint8))
+        q = Quantized.packed(raw[HEADER_NBYTES: need], self.scheme, n, self.block_size, x.dtype)
         quantize(x, self.scheme, self.block_size, out=q)
         return need
 
@@ -110,19 +114,16 @@ class _BlockQuantCodec(Codec):
         if magic != MAGIC or version != VERSION:
             raise CorruptionError(f"not a tierstore quantized buffer (magic {magic!r}, version {version}); "
                                   f"expected {MAGIC!r} version {VERSION}")
-        if scheme_id != SCHEME_IDS[self.scheme] or block != self.block_size:
+        if scheme_id != get(self.scheme).id or block != self.block_size:
             raise CorruptionError(f"buffer holds scheme id {scheme_id}, block {block}; this codec decodes "
                                   f"{self.scheme!r}, block {self.block_size}")
         dtype = {v: k for k, v in DTYPES.items()}.get(dtype_id)
-        nb = num_blocks(n, block)
         need = encoded_nbytes(self.scheme, n, block)
         if dtype is None or raw.numel() != need:
             raise CorruptionError(f"encoded buffer is {raw.numel()} bytes for {n} elements (expected {need}) or "
                                   f"has an unknown dtype id {dtype_id}")
-        absmax = raw[HEADER_NBYTES: HEADER_NBYTES + 4 * nb]
-        if absmax.data_ptr() % 4:  # a buffer from an arbitrary offset: copy to align the floats
-            absmax = absmax.clone()
-        return Quantized(self.scheme, block, (n,), dtype, raw[HEADER_NBYTES + 4 * nb:], absmax.view(torch.float32))
+        # readonly: a buffer from an arbitrary offset gets its absmax copied to align the floats
+        return Quantized.packed(raw[HEADER_NBYTES:], self.scheme, n, block, dtype, readonly=True)
 
     def decode(self, buf, out=None):
         q = self.parse(buf)
@@ -179,11 +180,12 @@ class Dynamic8(_BlockQuantCodec):
                  rounding: str = "nearest"):
         super().__init__(block_size, dtype)
         self.signed = bool(signed)
-        if rounding not in ("nearest", "bounded") or (self.signed and rounding != "nearest"):
-            raise TierstoreValueError(f"rounding={rounding!r} is not available; use 'nearest', or 'bounded' with "
-                                      f"signed=False")
+        s = for_codec(self.codec_id, signed=self.signed, rounding=rounding)
+        if s is None:
+            raise TierstoreValueError(f"rounding={rounding!r} is not available with signed={self.signed}; use "
+                                      f"'nearest', or 'bounded' with signed=False")
         self.rounding = rounding
-        self.scheme = "dyn8s" if self.signed else ("dyn8u" if rounding == "nearest" else "dyn8v")
+        self.scheme = s.name
 
     def get_config(self) -> dict:
         cfg = {**super().get_config(), "signed": self.signed}
@@ -196,22 +198,44 @@ class Dynamic8(_BlockQuantCodec):
                 f"rounding={self.rounding!r})")
 
 
-for _cls in (BlockInt8, BlockInt4, Dynamic8):
+class BlockQuant(_BlockQuantCodec):
+    """Any registered scheme by name (the codec of schemes registered after the built-in ones; schemes.py).
+
+    A reader must register the scheme before it decodes (or reopens a Store holding it)."""
+
+    codec_id = GENERIC_CODEC_ID
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK, dtype: str = "float32", scheme: str = ""):
+        super().__init__(block_size, dtype)
+        s = get(scheme)
+        if s.codec_id != self.codec_id:
+            raise TierstoreValueError(f"scheme {s.name!r} is stored by codec {s.codec_id!r}; use codec_for({s.name!r})")
+        self.scheme = s.name
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "scheme": self.scheme}
+
+    def __repr__(self) -> str:
+        return f"BlockQuant(block_size={self.block_size}, dtype={self.dtype!r}, scheme={self.scheme!r})"
+
+
+_CODECS = {cls.codec_id: cls for cls in (BlockInt8, BlockInt4, Dynamic8, BlockQuant)}
+for _cls in _CODECS.values():
     register_codec(_cls)
 
 
 def codec_for(scheme: str, block_size: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32) -> _BlockQuantCodec:
-    """The codec object for a scheme name ('int8', 'int4', 'dyn8s', 'dyn8u', 'dyn8v')."""
+    """The codec object for a registered scheme name ('int8', 'int4', 'dyn8s', 'dyn8u', 'dyn8v', ...)."""
     name = DTYPE_NAMES.get(dtype)
     if name is None:
         raise TierstoreValueError(f"dtype={dtype} is not supported; use float32, bfloat16 or float16")
-    if scheme == "int8":
-        return BlockInt8(block_size, name)
-    if scheme == "int4":
-        return BlockInt4(block_size, name)
-    if scheme in ("dyn8s", "dyn8u", "dyn8v"):
-        return Dynamic8(block_size, name, signed=scheme == "dyn8s", rounding="bounded" if scheme == "dyn8v" else "nearest")
-    raise TierstoreValueError(f"scheme={scheme!r} is not known; use 'int8', 'int4', 'dyn8s', 'dyn8u' or 'dyn8v'")
+    s = get(scheme)
+    cls = _CODECS.get(s.codec_id)
+    if cls is None:
+        raise TierstoreValueError(f"scheme {s.name!r} names codec {s.codec_id!r}, which is not one of tierstore's "
+                                  f"({sorted(_CODECS)}); register it with codec_id left at its default")
+    return cls(block_size, name, **dict(s.codec_config))
 
 
-__all__ = ["BlockInt4", "BlockInt8", "Dynamic8", "HEADER_NBYTES", "codec_for", "encoded_nbytes", "empty_quantized"]
+__all__ = ["BlockInt4", "BlockInt8", "BlockQuant", "Dynamic8", "HEADER_NBYTES", "codec_for", "encoded_nbytes",
+           "empty_quantized"]

@@ -30,8 +30,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TierstoreValueError
-from .layout import DEFAULT_BLOCK, check_block_size, codes_nbytes, num_blocks
+from . import packed
+from .layout import DEFAULT_BLOCK, check_block_size
 from .quantized import Quantized, dequantize, quantize
+from .schemes import get
 
 
 @dataclass
@@ -66,28 +68,26 @@ def fp16_reduce_scatter_bytes(numel: int, world: int) -> int:
 
 
 def payload_nbytes(scheme: str, numel: int, block_size: int) -> int:
-    """Bytes of one packed slice: absmax (fp32 per block, first: keeps it 4-byte aligned), then codes."""
-    return 4 * num_blocks(numel, block_size) + codes_nbytes(scheme, numel)
-
-
-def _packed(buf: torch.Tensor, scheme: str, numel: int, block_size: int) -> Quantized:
-    nb = num_blocks(numel, block_size)
-    return Quantized(scheme, block_size, (numel,), torch.float32, buf[4 * nb:], buf[:4 * nb].view(torch.float32))
+    """Bytes of one slice on the wire: a packed buffer (packed.py, [Note: packed layout])."""
+    return packed.nbytes(scheme, numel, block_size)
 
 
 def _pack_into(x: torch.Tensor, buf: torch.Tensor, scheme: str, block_size: int) -> None:
-    quantize(x, scheme, block_size, out=_packed(buf, scheme, x.numel(), block_size))
+    quantize(x, scheme, block_size, out=Quantized.packed(buf, scheme, x.numel(), block_size))
 
 
 def all_gather_quantized(shard: torch.Tensor, group: dist.ProcessGroup | None = None, *,
-                         block_size: int = DEFAULT_BLOCK, out: torch.Tensor | None = None, async_op: bool = False):
-    """qwZ: int8 block-quantize this rank's ``shard``, all-gather codes and scales, dequantize on every rank.
+                         block_size: int = DEFAULT_BLOCK, out: torch.Tensor | None = None, async_op: bool = False,
+                         scheme: str = "int8"):
+    """qwZ: block-quantize this rank's ``shard`` (int8 as in ZeRO++, or another signed ``scheme``), all-gather
+    codes and scales, dequantize on every rank.
 
     Every rank passes a shard of the same numel. Returns (or fills ``out``, contiguous, world x numel
-    elements, fp32/bf16/fp16) the concatenation in rank order; rank r's part is within absmax_b / 254 of
-    its shard (per block b). ``async_op=True``: the shard is quantized and the collective posted now (its
-    place in the sequence of collectives is now), and a handle is returned whose ``wait()`` dequantizes
-    into ``out`` and returns it -- the same bytes as the synchronous call."""
+    elements, fp32/bf16/fp16) the concatenation in rank order; rank r's part is within error_bound(scheme) x
+    absmax_b of its shard (per block b; absmax_b / 254 for int8). ``async_op=True``: the shard is quantized
+    and the collective posted now (its place in the sequence of collectives is now), and a handle is returned
+    whose ``wait()`` dequantizes into ``out`` and returns it -- the same bytes as the synchronous call."""
+    _check_signed(scheme, "qwZ quantizes weights")
     check_block_size(block_size)
     world = dist.get_world_size(group)
     n = shard.numel()
@@ -96,9 +96,9 @@ def all_gather_quantized(shard: torch.Tensor, group: dist.ProcessGroup | None = 
     elif out.numel() != world * n or not out.is_contiguous():
         raise TierstoreValueError(f"out must be contiguous with world x shard = {world * n} elements; got "
                                   f"{out.numel()}")
-    pn = payload_nbytes("int8", n, block_size)
+    pn = payload_nbytes(scheme, n, block_size)
     send = torch.empty(pn, dtype=torch.uint8)
-    _pack_into(shard.reshape(-1), send, "int8", block_size)
+    _pack_into(shard.reshape(-1), send, scheme, block_size)
     recv = torch.empty(world * pn, dtype=torch.uint8)
     work = dist.all_gather_into_tensor(recv, send, group=group, async_op=async_op)
 
@@ -107,12 +107,19 @@ def all_gather_quantized(shard: torch.Tensor, group: dist.ProcessGroup | None = 
             work.wait()
         flat = out.view(-1)
         for r in range(world):
-            dequantize(_packed(recv[r * pn:(r + 1) * pn], "int8", n, block_size), out=flat[r * n:(r + 1) * n])
+            dequantize(Quantized.packed(recv[r * pn:(r + 1) * pn], scheme, n, block_size),
+                       out=flat[r * n:(r + 1) * n])
         t = _TRAFFIC["all_gather_quantized"]
         t.bytes_sent += (world - 1) * pn
         t.calls += 1
         return out
     return _Pending(finish) if async_op else finish()
+
+
+def _check_signed(scheme: str, what: str) -> None:
+    if not get(scheme).signed:
+        raise TierstoreValueError(f"scheme={scheme!r} represents no negative values; {what} with a signed scheme "
+                                  f"such as 'int4' or 'int8'")
 
 
 class _Pending:
@@ -169,7 +176,7 @@ def _exchange(rows: torch.Tensor, me: int, group, scheme: str, block_size: int, 
     tmp = torch.empty(m, dtype=torch.float32)
     for p in range(peers):  # fixed order: the fp32 sum is the same on every run
         if p != me:
-            dequantize(_packed(recv[p * pn:(p + 1) * pn], scheme, m, block_size), out=tmp)
+            dequantize(Quantized.packed(recv[p * pn:(p + 1) * pn], scheme, m, block_size), out=tmp)
             acc += tmp
     return (peers - 1) * pn
 
@@ -182,9 +189,8 @@ def reduce_scatter_quantized(tensor: torch.Tensor, group: dist.ProcessGroup | No
     rank's shard (numel / world elements, fp32), via two quantized all-to-alls. See [Note: qgZ].
 
     intra_node_size: ranks per node L (default: all of them, one stage); world must be a multiple of it.
-    scheme: 'int4' (ZeRO++) or 'int8'. op: 'avg' or 'sum'. Reductions are always in fp32."""
-    if scheme not in ("int4", "int8"):
-        raise TierstoreValueError(f"scheme={scheme!r}: qgZ quantizes gradients with 'int4' or 'int8'")
+    scheme: 'int4' (ZeRO++), 'int8' or another signed scheme. op: 'avg' or 'sum'. Reductions are always in fp32."""
+    _check_signed(scheme, "qgZ quantizes gradients")
     if op not in ("avg", "sum"):
         raise TierstoreValueError(f"op={op!r}: use 'avg' or 'sum'")
     check_block_size(block_size)

@@ -1,27 +1,15 @@
-"""How a block-quantized tensor is laid out, and the checks every entry point shares.
+"""How a block-quantized tensor is cut into blocks, and the checks every entry point shares.
 
 A tensor of ``n`` elements (any shape, flattened in C order) is cut into blocks of ``block_size`` elements;
 the last block may be partial. Each block has one fp32 ``absmax`` (the largest magnitude in it) and one code
-per element: one byte for the 8-bit schemes, half a byte for int4 (element ``i`` in byte ``i // 2``, even
-elements in the low nibble; a tensor of odd length leaves the last high nibble 0).
+per element, of its scheme's width (schemes.py); how absmax and codes sit in bytes is packed.py's
+[Note: packed layout].
 """
 from __future__ import annotations
 
 import torch
 
 from ..errors import TierstoreValueError
-
-#: scheme name -> code bits per element
-SCHEMES = {
-    "int8": 8,  # linear symmetric, q = round(x * 127 / absmax)
-    "int4": 4,  # linear symmetric, q = round(x * 7 / absmax), stored q + 8 in a nibble
-    "dyn8s": 8,  # dynamic 8-bit map, signed (first moments)
-    "dyn8u": 8,  # dynamic 8-bit map, unsigned, nearest rounding (never maps a nonzero to code 0)
-    "dyn8v": 8,  # the unsigned map with bounded rounding: never under-estimates by more than 1 + 9/256 (second moments)
-}
-SCHEME_IDS = {"int8": 0, "int4": 1, "dyn8s": 2, "dyn8u": 3, "dyn8v": 4}  # as in native/quant.c
-#: dynamic-map schemes -> (signed, rounding) for dynamic.build_tables
-DYNAMIC = {"dyn8s": (True, "nearest"), "dyn8u": (False, "nearest"), "dyn8v": (False, "bounded")}
 
 MIN_BLOCK = 64  # elements
 MAX_BLOCK = 8192  # elements (native/quant.c keeps one block of fp32 scratch on the stack)
@@ -31,12 +19,6 @@ DEFAULT_BLOCK = 256  # elements
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
-
-
-def check_scheme(scheme: str) -> str:
-    if scheme not in SCHEMES:
-        raise TierstoreValueError(f"scheme={scheme!r} is not known; use one of {sorted(SCHEMES)}")
-    return scheme
 
 
 def check_block_size(block_size: int) -> int:
@@ -58,11 +40,6 @@ def check_dtype(dtype: torch.dtype, what: str) -> torch.dtype:
 def num_blocks(numel: int, block_size: int) -> int:
     """Blocks (absmax values) for ``numel`` elements."""
     return -(-numel // block_size)
-
-
-def codes_nbytes(scheme: str, numel: int) -> int:
-    """Bytes of codes for ``numel`` elements."""
-    return (numel + 1) // 2 if SCHEMES[scheme] == 4 else numel
 
 
 def check_buffer(t: torch.Tensor, what: str, dtype: torch.dtype, numel: int) -> torch.Tensor:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TierstoreValueError
-from . import _native, blockwise, dynamic
-from .layout import (DEFAULT_BLOCK, DYNAMIC, check_block_size, check_buffer, check_dtype, check_scheme, codes_nbytes,
-                     num_blocks)
+from . import _native, packed
+from .layout import DEFAULT_BLOCK, check_block_size, check_buffer, check_dtype, num_blocks
+from .schemes import get
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Quantized:
     block_size: int  # elements
     shape: tuple[int, ...]
     dtype: torch.dtype  # of the tensor that was quantized (dequantize's default output dtype)
-    codes: torch.Tensor  # uint8, codes_nbytes(scheme, numel) bytes
+    codes: torch.Tensor  # uint8, packed.codes_nbytes(scheme, numel) bytes
     absmax: torch.Tensor  # float32, num_blocks(numel, block_size)
 
     @property
@@ -46,6 +46,15 @@ class Quantized:
         """Bytes of codes and scales."""
         return self.codes.numel() + 4 * self.absmax.numel()
 
+    @classmethod
+    def packed(cls, buf: torch.Tensor, scheme: str, numel: int, block_size: int,
+               dtype: torch.dtype = torch.float32, *, readonly: bool = False) -> "Quantized":
+        """The Quantized view (no copy) of a packed buffer of ``numel`` elements ([Note: packed layout] in
+        packed.py): quantize(x, out=...) fills it, dequantize() reads it. ``dtype``: of the tensor it holds;
+        ``readonly``: see packed.split."""
+        absmax, codes = packed.split(buf, scheme, numel, block_size, readonly=readonly)
+        return cls(get(scheme).name, block_size, (numel,), dtype, codes, absmax)
+
     def dequantize(self, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize(self, out=out, dtype=dtype)
 
@@ -58,7 +67,7 @@ class Quantized:
             raise TierstoreValueError(
                 f"narrow({start}, {length}) must start on a block boundary (block_size={bs}) and end on one or "
                 f"at the end ({n} elements)")
-        c0, c1 = (start // 2, (end + 1) // 2) if self.scheme == "int4" else (start, end)
+        c0, c1 = packed.code_byte(self.scheme, start), packed.codes_nbytes(self.scheme, end)
         return Quantized(self.scheme, bs, (length,), self.dtype, self.codes[c0:c1],
                          self.absmax[start // bs: num_blocks(end, bs)])
 
@@ -66,24 +75,29 @@ class Quantized:
 def empty_quantized(shape: tuple[int, ...] | torch.Size | int, scheme: str = "int8",
                     block_size: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32) -> Quantized:
     """Allocate the buffers once, to be filled by ``quantize(x, out=...)`` in a loop."""
-    check_scheme(scheme)
+    scheme = get(scheme).name
     check_block_size(block_size)
     check_dtype(dtype, "dtype")
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     n = 1
     for s in shape:
         n *= s
-    return Quantized(scheme, block_size, shape, dtype, torch.empty(codes_nbytes(scheme, n), dtype=torch.uint8),
+    return Quantized(scheme, block_size, shape, dtype, torch.empty(packed.codes_nbytes(scheme, n), dtype=torch.uint8),
                      torch.empty(num_blocks(n, block_size), dtype=torch.float32))
 
 
-def _use_native(backend: str) -> bool:
+def _use_native(backend: str, scheme: str | None = None) -> bool:
+    """Whether to run the native kernel (of ``scheme``, when given: a scheme without one runs its torch kernel)."""
+    has_kernel = scheme is None or get(scheme).native
     if backend == "auto":
-        return _native.available()
+        return has_kernel and _native.available()
     if backend == "native":
         if not _native.available():
             raise TierstoreValueError("backend='native' asked for, but tierstore._native_quant is not built; "
                                       "rebuild with `pip install -e .` or pass backend='torch'")
+        if not has_kernel:
+            raise TierstoreValueError(f"backend='native' asked for, but scheme {scheme!r} has no native kernel; "
+                                      f"pass backend='auto' or 'torch'")
         return True
     if backend == "torch":
         return False
@@ -96,7 +110,8 @@ def quantize(x: torch.Tensor, scheme: str = "int8", block_size: int = DEFAULT_BL
 
     ``out``: a Quantized from empty_quantized() (same scheme, block size, element count) to write into.
     Raises TierstoreValueError on NaN/Inf input. See [Note: determinism], [Note: out= buffers]."""
-    check_scheme(scheme)
+    s = get(scheme)
+    scheme = s.name
     check_block_size(block_size)
     if not isinstance(x, torch.Tensor):
         raise TierstoreValueError(f"x must be a torch.Tensor, not {type(x).__name__}")
@@ -110,16 +125,16 @@ def quantize(x: torch.Tensor, scheme: str = "int8", block_size: int = DEFAULT_BL
         if out.scheme != scheme or out.block_size != block_size:
             raise TierstoreValueError(f"out was made for scheme={out.scheme!r}, block_size={out.block_size}; "
                                       f"this call asks for {scheme!r}, {block_size}")
-        check_buffer(out.codes, "out.codes", torch.uint8, codes_nbytes(scheme, n))
+        check_buffer(out.codes, "out.codes", torch.uint8, s.codes_nbytes(n))
         check_buffer(out.absmax, "out.absmax", torch.float32, num_blocks(n, block_size))
         out.shape, out.dtype = tuple(x.shape), x.dtype
     if n == 0:
         return out
     xc = x.detach().contiguous()
-    if _use_native(backend):
-        _native.quantize(scheme, xc, out.codes, out.absmax, block_size, nthreads)
+    if _use_native(backend, scheme):
+        _native.quantize(s, xc, out.codes, out.absmax, block_size, nthreads)
         return out
-    # torch reference
+    # the scheme's torch kernel
     nb = num_blocks(n, block_size)
     xf = torch.zeros(nb * block_size, dtype=torch.float32)
     xf[:n] = xc.reshape(-1)
@@ -128,11 +143,7 @@ def quantize(x: torch.Tensor, scheme: str = "int8", block_size: int = DEFAULT_BL
         raise TierstoreValueError("x holds NaN or Inf; a block-wise quantizer needs finite values")
     amax = xf.abs().amax(dim=1)
     out.absmax.copy_(amax)
-    if scheme in ("int8", "int4"):
-        q = blockwise.encode_reference(xf, amax, scheme).reshape(-1)[:n]
-        out.codes.copy_(blockwise.pack_int4(q) if scheme == "int4" else q.to(torch.int8).view(torch.uint8))
-    else:
-        out.codes.copy_(dynamic.encode_reference(xf, amax, *DYNAMIC[scheme]).reshape(-1)[:n])
+    out.codes.copy_(packed.pack_codes(s.encode(xf, amax).reshape(-1)[:n], s.bits))
     return out
 
 
@@ -141,6 +152,7 @@ def dequantize(q: Quantized, *, out: torch.Tensor | None = None, dtype: torch.dt
     """Decode ``q`` into ``out`` (any contiguous fp32/bf16/fp16 tensor of q.numel elements) or a new tensor of
     q.shape and ``dtype`` (default: the dtype that was quantized)."""
     n = q.numel
+    s = get(q.scheme)
     if out is None:
         out = torch.empty(q.shape, dtype=check_dtype(dtype or q.dtype, "dtype"))
     else:
@@ -148,35 +160,22 @@ def dequantize(q: Quantized, *, out: torch.Tensor | None = None, dtype: torch.dt
         if out.numel() != n or not out.is_contiguous() or out.device.type != "cpu":
             raise TierstoreValueError(f"out must be a contiguous CPU tensor of {n} elements; got {out.numel()} "
                                       f"elements, contiguous={out.is_contiguous()}, device={out.device}")
-    check_buffer(q.codes, "q.codes", torch.uint8, codes_nbytes(q.scheme, n))
+    check_buffer(q.codes, "q.codes", torch.uint8, s.codes_nbytes(n))
     check_buffer(q.absmax, "q.absmax", torch.float32, num_blocks(n, q.block_size))
     if n == 0:
         return out
-    if _use_native(backend):
-        _native.dequantize(q.scheme, q.codes, q.absmax, out, q.block_size, nthreads)
+    if _use_native(backend, s.name):
+        _native.dequantize(s, q.codes, q.absmax, out, q.block_size, nthreads)
         return out
     bs = q.block_size
     nb = num_blocks(n, bs)
-    if q.scheme == "int4":
-        codes = blockwise.unpack_int4(q.codes, n)
-    elif q.scheme == "int8":
-        codes = q.codes.view(torch.int8).to(torch.int32)
-    else:
-        codes = q.codes
-    padded = torch.zeros(nb * bs, dtype=codes.dtype)
-    padded[:n] = codes
-    padded = padded.view(nb, bs)
-    if q.scheme in ("int8", "int4"):
-        x = blockwise.decode_reference(padded, q.absmax, q.scheme)
-    else:
-        x = dynamic.decode_reference(padded, q.absmax, DYNAMIC[q.scheme][0])
+    padded = torch.zeros(nb * bs, dtype=torch.int32)  # the padding's decoded values are dropped below
+    padded[:n] = packed.unpack_codes(q.codes, s.bits, n)
+    x = s.decode(padded.view(nb, bs), q.absmax)
     out.view(-1).copy_(x.reshape(-1)[:n])
     return out
 
 
 def error_bound(scheme: str) -> float:
     """max |x - x^| / (block absmax) for ``scheme`` (documented in docs/quant.md)."""
-    check_scheme(scheme)
-    if scheme in ("int8", "int4"):
-        return blockwise.error_bound(scheme)
-    return dynamic.error_bound(*DYNAMIC[scheme])
+    return get(scheme).error_bound

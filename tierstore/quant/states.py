@@ -49,6 +49,7 @@ from ..errors import TierstoreValueError
 from . import _native
 from .layout import DEFAULT_BLOCK, check_block_size
 from .quantized import Quantized, _use_native, dequantize, empty_quantized, quantize
+from .schemes import fused_adamw_pair
 
 STATE_SCHEMES = {"exp_avg": "dyn8s", "exp_avg_sq": "dyn8v"}
 MIN_QUANT_NUMEL = 4096  # elements
@@ -78,7 +79,7 @@ class StatePolicy:
         return cls(block_size, min_numel, keys)
 
     def scheme_for(self, state: str, param: torch.Tensor, name: str | None = None) -> str | None:
-        """'dyn8s' / 'dyn8v' for a state that is kept in 8 bits, None for fp32."""
+        """The scheme name (STATE_SCHEMES: 'dyn8s' / 'dyn8v') of a state that is kept in 8 bits, None for fp32."""
         if param.numel() < self.min_numel or id(param) in self.keep_fp32 or (name is not None and
                                                                              name in self.keep_fp32):
             return None
@@ -136,8 +137,8 @@ def adamw_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: dict, ws: Wo
     if not isinstance(m, Quantized) and not isinstance(v, Quantized):
         _adamw([p], [g], [m.view(-1)], [v.view(-1)], [], [step], **kw)
         return
-    if (_use_native(backend) and isinstance(m, Quantized) and isinstance(v, Quantized) and m.scheme == "dyn8s"
-            and v.scheme in ("dyn8u", "dyn8v") and m.block_size == v.block_size):
+    if (_use_native(backend) and isinstance(m, Quantized) and isinstance(v, Quantized)
+            and fused_adamw_pair(m.scheme, v.scheme) and m.block_size == v.block_size):
         if m.numel != p.numel() or v.numel != p.numel():
             raise TierstoreValueError(f"state holds {m.numel} / {v.numel} elements for a parameter of {p.numel()}; "
                                       f"make it with init_state(param, policy) for this parameter")
@@ -145,7 +146,7 @@ def adamw_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: dict, ws: Wo
         step += 1
         _native.adamw_step(p, g, m.codes, m.absmax, v.codes, v.absmax, m.block_size, v.scheme, step=float(step),
                            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
-                           nthreads=nthreads)
+                           nthreads=nthreads, m_scheme=m.scheme)
         return
     n = p.numel()
     bs = m.block_size if isinstance(m, Quantized) else v.block_size

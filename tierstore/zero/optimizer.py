@@ -392,7 +392,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
     # [Note: 8-bit states]
     # With state_codec="dynamic8" and states on nvme, exp_avg / exp_avg_sq of a sub-group (per
     # quant.states.StatePolicy: block 256, signed / unsigned dynamic maps, tiny tensors kept fp32) are stored
-    # as one uint8 tensor: the fp32 absmax of each block, then the codes (the layout of quant.collectives).
+    # as one uint8 tensor in the packed layout ([Note: packed layout] in quant/packed.py: the fp32 absmax of
+    # each block, then the codes).
     # The optimizer quantizes and dequantizes itself, into recycled buffers, on the reader / writer threads:
     # the store moves 1/4 of the bytes and no codec copies. Checkpoints and state_dict() hold fp32 states.
 
@@ -402,15 +403,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         return self._policy.scheme_for(key, t)
 
     def _packed_view(self, buf: torch.Tensor, scheme: str, n: int):
-        from ..quant.layout import num_blocks
         from ..quant.quantized import Quantized
-        bs = self._policy.block_size
-        nb = num_blocks(n, bs)
-        return Quantized(scheme, bs, (n,), torch.float32, buf[4 * nb:], buf[:4 * nb].view(torch.float32))
-
-    def _packed_numel(self, scheme: str, n: int) -> int:  # bytes
-        from ..quant.layout import codes_nbytes, num_blocks
-        return 4 * num_blocks(n, self._policy.block_size) + codes_nbytes(scheme, n)
+        return Quantized.packed(buf, scheme, n, self._policy.block_size)
 
     def _put_state(self, gid: int, key: str, v: torch.Tensor) -> None:
         name = f"s{gid}.{key}"
@@ -419,9 +413,10 @@ class Zero3Optimizer(torch.optim.Optimizer):
             self._qs.pop((gid, key), None)
             self.store.put(name, v, tier=self.config.optimizer_states)
             return
+        from ..quant import packed
         from ..quant.quantized import quantize
         n = v.numel()
-        buf = self._buffer(self._packed_numel(scheme, n), torch.uint8)
+        buf = self._buffer(packed.nbytes(scheme, n, self._policy.block_size), torch.uint8)  # bytes
         with torch.profiler.record_function("tierstore::quantize_state"):
             quantize(v, scheme, self._policy.block_size, out=self._packed_view(buf, scheme, n), nthreads=self._qthreads)
         self.store.put(name, buf, tier=self.config.optimizer_states)
@@ -737,9 +732,10 @@ class Zero3Optimizer(torch.optim.Optimizer):
         """Whether sub-group `gid` is stepped by the fused 8-bit kernel ([Note: fused 8-bit step in ZeRO-3])."""
         if not self._fused8 or gid in self._skip_runs:  # skipped elements need the unfused path
             return False
+        from ..quant.schemes import fused_adamw_pair
         keys = self._state_keys.get(gid, ())
-        return ("step" in keys and self._qs.get((gid, "exp_avg"), ("",))[0] == "dyn8s"
-                and self._qs.get((gid, "exp_avg_sq"), ("",))[0] in ("dyn8u", "dyn8v"))
+        m, v = self._qs.get((gid, "exp_avg")), self._qs.get((gid, "exp_avg_sq"))
+        return "step" in keys and m is not None and v is not None and fused_adamw_pair(m[0], v[0])
 
     def _step_fused8(self, gid: int, t: dict, master: torch.Tensor, grad: torch.Tensor) -> dict:
         from ..quant import _native
@@ -756,7 +752,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
                                    v.scheme, step=float(step), lr=float(group["lr"]), beta1=float(beta1),
                                    beta2=float(beta2), eps=float(group["eps"]),
                                    weight_decay=float(group["weight_decay"]), maximize=bool(group["maximize"]),
-                                   nthreads=self._qthreads)
+                                   nthreads=self._qthreads, m_scheme=m.scheme)
         except BaseException:
             t["stack"].close()
             raise
