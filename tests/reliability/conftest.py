@@ -34,7 +34,7 @@ def power_fs(tmp_path, request):
 @pytest.fixture
 def small_ext4(tmp_path):
     """A few MiB of ext4, mounted: the full-disk campaign fills it."""
-    yield from _loop_fs(tmp_path, "ext4", 8)
+    yield from _loop_fs(tmp_path, "ext4", 16)
 
 
 @pytest.fixture(scope="session")
