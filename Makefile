@@ -11,7 +11,7 @@ DEMO_DIR   ?= demo-data
 BENCH_DIR  ?= bench-data
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test soak bench install clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard native/*.c native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The fault campaigns at length (>= 200 SIGKILLs, >= 50 power losses, >= 1,000 corruptions; root for the
+# loop-mounted filesystems); `make test` runs a few trials of each. A table of trials and outcomes ends the
+# run; a failure prints the TIERSTORE_SEED that replays it. See docs/reliability.md.
+soak: $(STAMP)
+	TIERSTORE_SOAK=1 $(PY) -m pytest -q -o timeout=0 -rsx tests/reliability
 
 # Long measurements against references measured in the same run (fio, DeepSpeed aio, torch); see bench/README.md.
 bench: $(STAMP)

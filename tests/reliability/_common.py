@@ -1,0 +1,201 @@
+"""What every fault campaign shares: trial counts (short for `make test`, long for `make soak`), seeds that
+replay a failing trial, the oracle of what a store must hold, loop-mounted filesystems, and the per-campaign
+tally of outcomes that `make soak` prints at the end.
+
+[Note: short and soak runs]
+Every campaign runs `trials(short, soak)` trials: the short count under `make test`, the soak count when
+TIERSTORE_SOAK=1 (`make soak`). TIERSTORE_TRIALS overrides both and TIERSTORE_SEED sets the base seed (trial
+k of a campaign uses seed base + k), so a failure printed as "replay: TIERSTORE_SEED=s TIERSTORE_TRIALS=1"
+runs that very trial alone. The kill and shutdown moments come from the same seed but race the child's
+progress, so a replay repeats the operations exactly and the fault moment only approximately.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import time
+from collections import Counter, defaultdict
+
+import pytest
+import torch
+
+SOAK = os.environ.get("TIERSTORE_SOAK", "") not in ("", "0")
+BASE_SEED = int(os.environ.get("TIERSTORE_SEED", "20251123"))
+
+# campaign -> Counter(outcome -> trials); printed by conftest.pytest_terminal_summary
+TALLY: dict[str, Counter] = defaultdict(Counter)
+
+
+def trials(short: int, soak: int) -> int:
+    if "TIERSTORE_TRIALS" in os.environ:
+        return int(os.environ["TIERSTORE_TRIALS"])
+    return soak if SOAK else short
+
+
+def seeds(campaign: str, n: int) -> list[int]:
+    """The seeds of a campaign's n trials: BASE_SEED + k, offset per campaign so campaigns differ."""
+    off = sum(campaign.encode()) * 1000 if "TIERSTORE_SEED" not in os.environ else 0
+    return [BASE_SEED + off + k for k in range(n)]
+
+
+@contextlib.contextmanager
+def trial(campaign: str, seed: int):
+    """One trial: on failure the exception carries (and stdout shows) how to replay it."""
+    try:
+        yield random.Random(seed)
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, pytest.skip.Exception)):
+            raise
+        note = f"{campaign} trial failed; replay: TIERSTORE_SEED={seed} TIERSTORE_TRIALS=1"
+        print(note)
+        e.add_note(note)
+        TALLY[campaign]["FAILED"] += 1
+        raise
+
+
+def record(campaign: str, outcome: str, n: int = 1) -> None:
+    TALLY[campaign][outcome] += n
+
+
+# -- values and the oracle ---------------------------------------------------------------------------------
+# A value is named by a small spec, {"n": elements, "dtype": name, "seed": int, "codec": config or None},
+# and rebuilt from it bit for bit: the oracle of a flush is the JSON of name -> spec (kilobytes, not the
+# megabytes it describes), written and fsynced before the flush starts.
+SIZES = {"tiny": (1, 300), "mid": (150_000, 153_600), "big": (600_000, 900_000)}  # elements: packed, ~600 KiB,
+# multi-MiB (more than the stores' 1 MiB staging buffers: streamed)
+DTYPES = ["float32", "bfloat16", "int32", "uint8", "float64"]
+CODECS = [None, None, {"id": "zstd", "level": 1}, {"id": "blosc", "cname": "lz4", "clevel": 3, "shuffle": 1,
+                                                     "blocksize": 0}]
+
+
+def value_of(spec: dict) -> torch.Tensor:
+    g = torch.Generator().manual_seed(spec["seed"])
+    dt = getattr(torch, spec["dtype"])
+    n = spec["n"]
+    if dt.is_floating_point:
+        # a few distinct values: compressible, so the codecs have something to do
+        return (torch.randint(-8, 8, (n,), generator=g).to(torch.float32) / 4).to(dt)
+    return torch.randint(0, 100, (n,), generator=g).to(dt)
+
+
+def codec_of(config: dict | None):
+    if config is None:
+        return None
+    import numcodecs
+    return numcodecs.get_codec(dict(config))
+
+
+def random_spec(rng: random.Random, sizes=("tiny", "tiny", "tiny", "mid", "big")) -> dict:
+    lo, hi = SIZES[rng.choice(sizes)]
+    return {"n": rng.randint(lo, hi), "dtype": rng.choice(DTYPES), "seed": rng.getrandbits(31),
+            "codec": rng.choice(CODECS)}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                      b.reshape(-1).view(torch.uint8))
+
+
+def write_json_durably(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_store(store, want: dict[str, dict], where: str) -> None:
+    """The store holds exactly the tensors `want` names (name -> spec), bit for bit."""
+    assert sorted(store.keys()) == sorted(want), f"{where}: names {sorted(store.keys())} != {sorted(want)}"
+    got = store.get_many(list(want))
+    for name, spec in want.items():
+        assert same_bits(got[name], value_of(spec)), f"{where}: {name!r} differs from its spec {spec}"
+
+
+# -- loop-mounted filesystems ------------------------------------------------------------------------------
+def _run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def loop_mount_unavailable() -> str | None:
+    """Why a loop-mounted filesystem cannot be had here (None when it can)."""
+    if os.geteuid() != 0:
+        return "loop-mounting needs root (the power-loss and full-disk campaigns mount small ext4 images)"
+    for tool in ("mkfs.ext4", "losetup", "mount", "umount"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if not os.path.exists("/dev/loop-control"):
+        return "no /dev/loop-control: this kernel or container has no loop devices"
+    return None
+
+
+class LoopFS:
+    """A small filesystem image under a pytest tmp dir, mounted with `mount -o loop`; remountable, and
+    unmounted (its loop device detached) by `cleanup`, which the fixture calls even when a test fails."""
+
+    def __init__(self, root: str, fstype: str = "ext4", mib: int = 48):
+        self.image = os.path.join(root, f"{fstype}.img")
+        self.mnt = os.path.join(root, f"mnt-{fstype}")
+        self.fstype = fstype
+        os.makedirs(self.mnt, exist_ok=True)
+        with open(self.image, "wb") as f:
+            f.truncate(mib << 20)
+        mk = ["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "nodiscard"] if fstype == "ext4" else ["mkfs.xfs", "-q", "-f"]
+        r = _run(*mk, self.image)
+        if r.returncode:
+            raise RuntimeError(f"{' '.join(mk)} failed: {r.stderr}")
+        self.mounted = False
+
+    def mount(self) -> None:
+        r = _run("mount", "-o", "loop", "-t", self.fstype, self.image, self.mnt)
+        if r.returncode:
+            pytest.skip(f"mount -o loop is not allowed here: {r.stderr.strip()}")
+        self.mounted = True
+
+    def umount(self) -> None:
+        for attempt in range(100):  # a killed child's io_uring workers may hold the fs for a moment
+            r = _run("umount", self.mnt)
+            if r.returncode == 0:
+                self.mounted = False
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"umount {self.mnt} failed: {r.stderr}")
+
+    def shutdown(self, flag: int) -> None:
+        """FS_IOC_SHUTDOWN (xfstests' godown): flag 2 (NOLOGFLUSH) loses everything not yet durable."""
+        import fcntl
+        import struct
+        fs_ioc_shutdown = 0x8004587D  # _IOR('X', 125, __u32)
+        fd = os.open(self.mnt, os.O_RDONLY)
+        try:
+            fcntl.ioctl(fd, fs_ioc_shutdown, struct.pack("I", flag))
+        finally:
+            os.close(fd)
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.mnt)
+        return st.f_bavail * st.f_frsize
+
+    def cleanup(self) -> None:
+        if self.mounted or os.path.ismount(self.mnt):
+            _run("umount", "-l", self.mnt)
+            self.mounted = False
+        # a loop device left attached to the image (a failed umount) is detached too
+        r = _run("losetup", "-j", self.image)
+        for line in r.stdout.splitlines():
+            _run("losetup", "-d", line.split(":")[0])

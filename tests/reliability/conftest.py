@@ -1,0 +1,72 @@
+"""Fixtures of the fault campaigns (loop-mounted filesystems, cleaned up even on failure) and the table of
+trials and outcomes per campaign printed at the end of the run (see [Note: short and soak runs] in
+_common.py)."""
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+
+import pytest
+
+from ._common import SOAK, TALLY, LoopFS, loop_mount_unavailable
+
+
+def _loop_fs(tmp_path, fstype: str, mib: int):
+    why = loop_mount_unavailable()
+    if why:
+        pytest.skip(why)
+    if fstype == "xfs" and shutil.which("mkfs.xfs") is None:
+        pytest.skip("mkfs.xfs is not installed (Debian package xfsprogs): the xfs power-loss runs are skipped")
+    fs = LoopFS(str(tmp_path), fstype, mib)
+    try:
+        fs.mount()
+        yield fs
+    finally:
+        fs.cleanup()
+
+
+@pytest.fixture(params=["ext4", "xfs"])
+def power_fs(tmp_path, request):
+    """A 64 MiB (xfs: its 300 MiB minimum is too big; 64 MiB images only) filesystem, mounted."""
+    yield from _loop_fs(tmp_path, request.param, 64)
+
+
+@pytest.fixture
+def small_ext4(tmp_path):
+    """A few MiB of ext4, mounted: the full-disk campaign fills it."""
+    yield from _loop_fs(tmp_path, "ext4", 16)
+
+
+@pytest.fixture(scope="session")
+def forkserver():
+    """A fork server with torch and tierstore imported once: each child starts at once, single-threaded
+    (forking pytest itself could inherit locks held by its threads)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numcodecs", "tierstore.store", "tierstore.zero",
+                                "tests.reliability._children"])
+    return ctx
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not TALLY:
+        return
+    tr = terminalreporter
+    tr.section(f"fault campaigns ({'soak' if SOAK else 'short'} run): trials and outcomes")
+    try:
+        import io
+
+        from rich.console import Console
+        from rich.table import Table
+        table = Table(show_lines=False)
+        for col in ("campaign", "trials", "outcomes"):
+            table.add_column(col)
+        for name in sorted(TALLY):
+            c = TALLY[name]
+            table.add_row(name, str(sum(v for k, v in c.items() if not k.startswith("("))),
+                          ", ".join(f"{k}: {v}" for k, v in sorted(c.items())))
+        buf = io.StringIO()
+        Console(file=buf, width=140, force_terminal=False).print(table)
+        tr.write(buf.getvalue())
+    except ImportError:
+        for name in sorted(TALLY):
+            tr.write_line(f"{name}: " + ", ".join(f"{k}: {v}" for k, v in sorted(TALLY[name].items())))
