@@ -101,6 +101,21 @@ def test_a_second_optimizer_on_the_same_rank_directory_touches_nothing(tmp_path)
         opt2.close()
 
 
+def test_a_second_zero_init_on_the_same_directory_touches_nothing(tmp_path):
+    from tierstore.zero import Init
+
+    first = Init(zero_config(tmp_path / "nvme"))
+    with first:
+        TinyNet()
+        first.store.flush()
+        init_dir = os.path.join(tmp_path, "nvme", "init-rank0")
+        manifest = os.path.join(init_dir, "manifest.json")
+        before = open(manifest, "rb").read()
+        with pytest.raises(MisuseError, match=f"another Store has {init_dir}"):
+            Init(zero_config(tmp_path / "nvme")).__enter__()
+        assert open(manifest, "rb").read() == before
+
+
 # -- item 7: zero-size tensors under every codec -------------------------------------------------------
 @pytest.mark.parametrize("codec", [None, numcodecs.Zstd(), numcodecs.Blosc(), numcodecs.Zlib()],
                          ids=["identity", "zstd", "blosc", "zlib"])
