@@ -32,6 +32,7 @@ manifest, then releases it for the waiting and fsyncs.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -54,6 +55,7 @@ from .tiers import TIERS, DeviceTier, Extent, HostTier, NvmeTier, profile_range,
 from .tiers.device import to_dlpack_tensor
 from .tiers.host import result_empty
 from .io.files import fsync_dir
+from .io.pool import physical_memory
 
 log = logging.getLogger("tierstore.store")
 
@@ -102,27 +104,32 @@ class Store:
                  device_budget: int | None = 0, pinned_budget: int = 64 << 20, nvme_budget: int | None = None,
                  device: torch.device | str | None = None, backend: str = "auto", buffer_bytes: int = 4 << 20,
                  queue_depth: int = 32, extent_file_bytes: int = 16 << 30, stripe_unit: int = 1 << 20,
-                 workers: int = 2, lock_memory: bool = True, _must_exist: bool = False):
+                 workers: int = 2, lock_memory: bool = True, _must_exist: bool = False, _read_only: bool = False,
+                 _fresh: bool = False):
+        self._closed = True  # until fully open
+        self._read_only = _read_only
+        self._lockfds: list[int] = []
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
         if not self.paths:
             raise TierstoreValueError("paths is empty: give at least one directory for the nvme tier")
-        if len(set(self.paths)) != len(self.paths):
+        if len({os.path.realpath(p) for p in self.paths}) != len(self.paths):
             raise TierstoreValueError(f"paths={self.paths} names a directory twice")
+        _check_sizes(host_budget=host_budget, device_budget=device_budget, nvme_budget=nvme_budget,
+                     pinned_budget=pinned_budget, buffer_bytes=buffer_bytes, queue_depth=queue_depth,
+                     extent_file_bytes=extent_file_bytes, stripe_unit=stripe_unit, workers=workers)
+        for i, p in enumerate(self.paths):
+            if os.path.exists(p) and not os.path.isdir(p):
+                raise TierstoreValueError(f"paths[{i}]={p!r} is a file, not a directory: give a directory (it is "
+                                          "created if missing) for the extent files")
         if _must_exist and not os.path.exists(os.path.join(self.paths[0], MANIFEST)):
             raise TierstoreValueError(f"no tierstore in {self.paths[0]} (no {MANIFEST}); create one with "
                                       "Store(paths) and flush() it")
-        for p in self.paths:
-            os.makedirs(p, exist_ok=True)
-        self._closed = True  # until fully open
-        self._lockfd = os.open(os.path.join(self.paths[0], LOCKFILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lockfd)
-            raise MisuseError(f"another Store has {self.paths[0]} open (in this or another process); close it "
-                              "first") from None
+        if not _read_only:
+            for p in self.paths:
+                _make_dir(p)
+        self._lockfds = _lock_dirs(self.paths, shared=_read_only)
         try:
             self._lock = threading.RLock()
             self._flush_lock = threading.Lock()
@@ -133,24 +140,43 @@ class Store:
             self._device = DeviceTier(device_budget, device)
             self._host = HostTier(host_budget, lock=lock_memory)
             self._nvme = NvmeTier(self.paths, self._engine, self._pool, budget_bytes=nvme_budget,
-                                  extent_file_bytes=extent_file_bytes, stripe_unit=stripe_unit)
+                                  extent_file_bytes=extent_file_bytes, stripe_unit=stripe_unit,
+                                  read_only=_read_only)
             self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierstore-move")
             self._generation = 0
             self._flushes = 0
             self._flush_seconds = 0.0
             self._closed = False
-            for leftover in [os.path.join(self.paths[0], MANIFEST + ".tmp")]:
-                if os.path.exists(leftover):  # a crash during a flush; the previous manifest stands
-                    os.unlink(leftover)
+            if not _read_only:
+                # A crash during a flush leaves a .tmp (the previous manifest stands); `_fresh` (a new run of
+                # the optimizer over its old directories) starts empty. Done here, under the locks, so a
+                # second opener of a directory in use touches nothing.
+                stale = [os.path.join(self.paths[0], MANIFEST + ".tmp")]
+                if _fresh:
+                    stale += [os.path.join(p, name) for p in self.paths for name in (MANIFEST, MANIFEST + ".tmp")]
+                for leftover in stale:
+                    if os.path.exists(leftover):
+                        os.unlink(leftover)
             self._load(read_manifest(self.paths[0]))
         except BaseException:
             self._teardown()
             raise
 
     @classmethod
-    def open(cls, paths, **kwargs) -> "Store":
-        """Open an existing store (every tensor of its last completed flush). Same directories, same order."""
-        return cls(paths, _must_exist=True, **kwargs)
+    def open(cls, paths, *, mode: str = "w", **kwargs) -> "Store":
+        """Open an existing store (every tensor of its last completed flush). Same directories, same order.
+
+        mode: 'w' (default) to read and change it, holding every directory exclusively; 'r' to only read it
+        (read-only media too): a shared lock, so any number of read-only opens coexist but none with a
+        writer; put/update/delete/flush/offload/writeback raise MisuseError, and close() flushes nothing."""
+        if mode not in ("r", "w"):
+            raise TierstoreValueError(f"mode={mode!r}: use 'w' (read and write) or 'r' (read-only)")
+        return cls(paths, _must_exist=True, _read_only=mode == "r", **kwargs)
+
+    @property
+    def read_only(self) -> bool:
+        """True when opened with Store.open(paths, mode='r')."""
+        return self._read_only
 
     def _load(self, body: dict | None) -> None:
         if body is None:
@@ -176,6 +202,12 @@ class Store:
     def _check_open(self) -> None:
         if self._closed:
             raise MisuseError("the store is closed; open it again with tierstore.Store.open(paths)")
+
+    def _check_writable(self, what: str) -> None:
+        self._check_open()
+        if self._read_only:
+            raise MisuseError(f"{what}: the store at {self.paths[0]} was opened read-only (Store.open(paths, "
+                              "mode='r')) and changes nothing; open it with mode='w' to change it")
 
     def _tier(self, name: str):
         return {"device": self._device, "host": self._host, "nvme": self._nvme}[name]
@@ -274,7 +306,9 @@ class Store:
             tier_index(tier)
         if codec is not None and not all(hasattr(codec, a) for a in ("encode", "decode", "get_config")):
             raise TierstoreValueError(f"codec={codec!r} needs encode/decode/get_config (a numcodecs Codec)")
+        self._check_writable(f"put({name!r})")
         value = to_dlpack_tensor(value)
+        self._check_copy_fits(name, value, tier, codec)
         with self._lock:
             self._check_open()
             t = TieredTensor(self, name, value.shape, value.dtype, codec)
@@ -299,6 +333,27 @@ class Store:
             self._tensors[name] = t
             return t
 
+    def _check_copy_fits(self, name: str, value: torch.Tensor, tier: str | None, codec) -> None:
+        """Refuse, before any allocation, a put whose copy of `value` can never exist in host memory.
+
+        Every placement but two makes one contiguous host copy of all the tensor's bytes: the host tier's
+        copy, or the staging copy the nvme tier encodes and writes from. The exceptions are a device-tier
+        copy on a real accelerator, and a contiguous CPU tensor written as it is (identity codec) to nvme.
+        An expanded view (`torch.zeros(1).expand(2**40)`) holds 4 bytes and names 4 TiB."""
+        nbytes = value.numel() * value.element_size()  # bytes, decoded
+        if tier == "nvme" and value.device.type == "cpu" and value.is_contiguous() and codec in (None, IDENTITY):
+            return
+        if tier in (None, "device") and self._device.device.type != "cpu" and \
+                self._device.budget.fits_at_all(nbytes):
+            return
+        memory = physical_memory()
+        if memory is not None and nbytes > memory:
+            raise TierFullError(
+                f"put({name!r}): the tensor ({tuple(value.shape)} {value.dtype}) needs a contiguous copy of "
+                f"{nbytes} bytes in host memory, more than this machine has ({memory} bytes); it is "
+                f"{'an expanded or strided view' if not value.is_contiguous() else 'too large'}. Store it in "
+                "pieces under several names, or store what it was made from (e.g. the tensor before expand())")
+
     def _discard(self, t: TieredTensor) -> None:
         for tier in list(t._copies):
             t._remove(tier)
@@ -317,8 +372,21 @@ class Store:
 
     def get(self, name: str, device: torch.device | str | None = None, *,
             out: torch.Tensor | None = None) -> torch.Tensor:
-        """A copy of tensor `name` as a plain torch.Tensor (see TieredTensor.get; out= reads into your tensor)."""
-        return self.tensor(name).get(device, out=out)
+        """A copy of tensor `name` as a plain torch.Tensor (see TieredTensor.get; out= reads into your tensor).
+
+        [Note: a read by name sees the old or the new value]
+        A put() of the same name while the read runs replaces the handle the read started from, which then
+        refuses (a replaced handle is stale: MisuseError). A read by name is not bound to that handle: it
+        reads the tensor that has the name now, so it returns the old or the new value, never an error
+        (KeyError when the name was deleted meanwhile)."""
+        while True:
+            t = self.tensor(name)
+            try:
+                return t.get(device, out=out)
+            except MisuseError:
+                with self._lock:
+                    if self._closed or not t._deleted:
+                        raise
 
     def get_many(self, names: Iterable[str], device: torch.device | str | None = None, *,
                  out=None) -> dict[str, torch.Tensor]:
@@ -385,10 +453,12 @@ class Store:
 
     def __contains__(self, name: object) -> bool:
         with self._lock:
+            self._check_open()
             return name in self._tensors
 
     def keys(self) -> list[str]:
         with self._lock:
+            self._check_open()
             return list(self._tensors)
 
     def __iter__(self) -> Iterator[str]:
@@ -396,12 +466,13 @@ class Store:
 
     def __len__(self) -> int:
         with self._lock:
+            self._check_open()
             return len(self._tensors)
 
     def delete(self, name: str) -> None:
         """Remove `name`; its space is reused after the next flush (the last flushed manifest still names it)."""
         with self._lock:
-            self._check_open()
+            self._check_writable(f"delete({name!r})")
             t = self._tensors.pop(name, None)
             if t is None:
                 raise KeyError(f"no tensor named {name!r} in the store")
@@ -412,6 +483,7 @@ class Store:
     def flush(self) -> None:
         """Make every tensor put so far durable (see [Note: crash safety]). On an I/O error (disk full ...)
         it raises, the previous flush stays what a reopen finds, and a later flush() retries."""
+        self._check_writable("flush()")
         t0 = time.perf_counter()
         with self._flush_lock, profile_range("tierstore::flush"):
             with self._lock:
@@ -518,6 +590,12 @@ class Store:
         same-width unsigned integers; the array attribute 'torch_dtype' names the real one."""
         import zarr
 
+        self._check_open()
+        if self._read_only:
+            target = os.path.realpath(os.fspath(path))
+            for d in self.paths:
+                if os.path.commonpath([target, os.path.realpath(d)]) == os.path.realpath(d):
+                    self._check_writable(f"export_zarr({os.fspath(path)!r}) into the store's directory {d}")
         compressors = _zarr_compressors(compressor)
         root = zarr.open_group(os.fspath(path), mode="w", zarr_format=3)
         root.attrs["tierstore"] = {"version": VERSION}
@@ -561,7 +639,7 @@ class Store:
         if self._closed:
             return
         try:
-            if flush:
+            if flush and not self._read_only:
                 self.flush()
         finally:
             with self._lock:
@@ -578,9 +656,9 @@ class Store:
             except Exception:
                 log.exception("closing %s failed", step)
         self._closed = True
-        if getattr(self, "_lockfd", None) is not None:
-            os.close(self._lockfd)  # releases the flock
-            self._lockfd = None
+        fds, self._lockfds = getattr(self, "_lockfds", []), []
+        for fd in fds:
+            os.close(fd)  # releases its flock
 
     def __enter__(self) -> "Store":
         return self
@@ -647,3 +725,76 @@ def _all_arrays(group, prefix: str = ""):
             yield full, member
         else:
             yield from _all_arrays(member, full + "/")
+
+
+# -- opening: arguments, directories, locks ---------------------------------------------------------------
+def _check_sizes(**sizes) -> None:
+    """Every budget/size argument is an int (budgets may be None), none negative, the counts positive."""
+    may_be_none = {"host_budget", "device_budget", "nvme_budget"}
+    positive = {"pinned_budget", "buffer_bytes", "queue_depth", "extent_file_bytes", "stripe_unit", "workers"}
+    for name, v in sizes.items():
+        if v is None and name in may_be_none:
+            continue
+        count = name in ("queue_depth", "workers")
+        unit = "" if count else " bytes"
+        if isinstance(v, bool) or not isinstance(v, int):
+            what = "an int" if count else "an int number of bytes (e.g. 1 << 30 for 1 GiB)"
+            none = " or None (no limit)" if name in may_be_none else ""
+            raise TierstoreValueError(f"{name}={v!r} must be {what}{none}, not a {type(v).__name__}")
+        if v < 0 or (v == 0 and name in positive):
+            raise TierstoreValueError(f"{name}={v} must be {'>= 1' if name in positive else '>= 0'}{unit}")
+
+
+def _make_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        hint = {errno.EROFS: "the filesystem is read-only: open an existing store there with "
+                             "Store.open(paths, mode='r')",
+                errno.EACCES: "give a directory this user can write to",
+                errno.EPERM: "give a directory this user can write to",
+                errno.ENOSPC: "the disk is full: free space or use another disk"}.get(e.errno, "check the path")
+        raise TierstoreIOError(e.errno or errno.EIO, f"cannot create the store directory {path}: {e.strerror}; "
+                               f"{hint}", path) from None
+
+
+def _lock_dirs(paths: list[str], *, shared: bool) -> list[int]:
+    """flock LOCKFILE in every directory of a store: exclusively, or shared for a read-only open. Returns the
+    open descriptors (closing them releases the locks); on any failure, releases those taken and raises.
+
+    [Note: every directory is locked, in one order]
+    A store writes extent files into every directory it stripes over, so each directory is locked, not only
+    the first: a Store([b]) must not open while Store([a, b]) writes into b. The locks are taken in the order
+    of the directories' real paths, never blocking: two stores over overlapping directory sets then meet
+    at the same first shared directory, one gets it and the other fails at once, holding nothing."""
+    fds: list[int] = []
+    try:
+        for d in sorted({os.path.realpath(p) for p in paths}):
+            where = os.path.join(d, LOCKFILE)
+            try:
+                fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                if not shared:
+                    raise TierstoreIOError(e.errno or errno.EIO, f"cannot create the lock file {where}: "
+                                           f"{e.strerror}; a read-only store can be opened with "
+                                           "Store.open(paths, mode='r')", where) from None
+                try:  # read-only media: lock the lock file if there is one, else nobody can write here either
+                    fd = os.open(where, os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue
+                except OSError as e2:
+                    raise TierstoreIOError(e2.errno or errno.EIO, f"cannot open the lock file {where}: "
+                                           f"{e2.strerror}", where) from None
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                held = "open for writing" if shared else "open"
+                raise MisuseError(f"another Store has {d} {held} (in this or another process; {where} is "
+                                  "locked); close it first") from None
+            fds.append(fd)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)  # releases its flock
+        raise
+    return fds

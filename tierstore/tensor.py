@@ -178,8 +178,13 @@ class TieredTensor:
 
     # -- encoding ------------------------------------------------------------------------------------
     def _encode(self, cpu: torch.Tensor) -> torch.Tensor:
-        """Contiguous CPU tensor -> contiguous CPU tensor whose bytes go to the nvme tier."""
-        if self.codec is IDENTITY:
+        """Contiguous CPU tensor -> contiguous CPU tensor whose bytes go to the nvme tier.
+
+        [Note: a zero-size tensor has no encoding]
+        It is stored as zero bytes whatever its codec, and decoded without the codec: numcodecs' Zstd and
+        Blosc cannot decode what they encode for an empty array, and Zlib decodes it to a 1-byte array.
+        Shape and dtype come from the manifest, so nothing is lost."""
+        if self.codec is IDENTITY or self.nbytes == 0:
             return cpu  # its memory as it is (the nvme tier takes bytes: no uint8 view needed)
         enc = self.codec.encode(to_numpy(cpu))
         arr = np.frombuffer(memoryview(enc).cast("B"), dtype=np.uint8)
@@ -187,8 +192,10 @@ class TieredTensor:
 
     def _decode(self, data: torch.Tensor) -> torch.Tensor:
         """uint8 tensor read from nvme -> CPU tensor of self.shape/dtype."""
+        if self.nbytes == 0:  # [Note: a zero-size tensor has no encoding]
+            return torch.empty(self.shape, dtype=self.dtype)
         if self.codec is IDENTITY:
-            return data.view(self.dtype).view(self.shape) if self.nbytes else torch.empty(self.shape, dtype=self.dtype)
+            return data.view(self.dtype).view(self.shape)
         dec = self.codec.decode(data.numpy().tobytes())
         raw = np.ascontiguousarray(np.asarray(dec)).reshape(-1).view(np.uint8)
         if raw.nbytes != self.nbytes:
@@ -368,6 +375,8 @@ class TieredTensor:
         it, treat x as read-only."""
         tier = self._store._tier_for(device)
         store = self._store
+        if writeback:
+            store._check_writable(f"resident({self.name!r}, writeback=True)")
         while True:
             self._bring_to(tier)
             with store._lock:
@@ -398,6 +407,7 @@ class TieredTensor:
         if tier_index(tier) == 0:
             raise TierstoreValueError("offload moves down to 'host' or 'nvme'; to move up use prefetch('device')")
         self._check()
+        self._store._check_writable(f"offload of {self.name!r}")
         return self._store._submit(self._offload_job, tier, keep)
 
     def _offload_job(self, tier: str, keep: bool) -> "TieredTensor":
@@ -441,6 +451,7 @@ class TieredTensor:
         rewritten when it is the only one, else dropped (and rewritten at flush)."""
         from .tiers.device import to_dlpack_tensor
 
+        self._store._check_writable(f"update of {self.name!r}")
         value = to_dlpack_tensor(value)
         if tuple(value.shape) != tuple(self.shape) or value.dtype != self.dtype:
             raise TierstoreValueError(

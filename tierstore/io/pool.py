@@ -12,6 +12,7 @@ import ctypes
 import errno
 import logging
 import mmap
+import os
 import resource
 import threading
 import time
@@ -36,6 +37,14 @@ def advise_huge_pages(addr: int, nbytes: int) -> bool:
     """Ask for transparent huge pages on [addr, addr+nbytes) before its first touch (see [Note: huge pages]).
     Returns whether the kernel took the advice; where THP is off, nothing changes."""
     return _libc.madvise(addr, nbytes, MADV_HUGEPAGE) == 0
+
+
+def physical_memory() -> int | None:
+    """Bytes of physical memory of this machine, None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
 
 
 def memlock_limit() -> int | None:
@@ -101,6 +110,9 @@ class BufferPool:
     """
 
     def __init__(self, budget_bytes: int, buffer_bytes: int = 4 << 20, *, lock: bool = True):
+        for name, v in (("budget_bytes", budget_bytes), ("buffer_bytes", buffer_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TierstoreValueError(f"{name}={v!r} must be an int number of bytes (e.g. 64 << 20)")
         if buffer_bytes <= 0 or buffer_bytes % ALIGN:
             raise TierstoreValueError(f"buffer_bytes={buffer_bytes} must be a positive multiple of {ALIGN}")
         if budget_bytes < buffer_bytes:
@@ -110,11 +122,22 @@ class BufferPool:
         self.buffer_bytes = buffer_bytes  # bytes
         self.count = budget_bytes // buffer_bytes
         self.nbytes = self.count * buffer_bytes  # bytes actually reserved (<= budget)
+        memory = physical_memory()
+        if memory is not None and self.nbytes > memory:
+            raise PinnedMemoryError(
+                f"the pinned pool of {fmt_bytes(self.nbytes)} is larger than this machine's memory "
+                f"({fmt_bytes(memory)}): lower the pinned budget (pinned_budget / pinned_bytes; 64-256 MiB "
+                "keeps the disk busy)")
         # [Note: huge pages] The mapping starts on a 2 MiB boundary and asks for transparent huge pages
         # before its first touch: an O_DIRECT request then pins a few huge pages instead of 256 small ones
         # per MiB. On the 2-core development VM this took 1 MiB O_DIRECT writes from ~1.1 to ~1.8 GiB/s
         # (same run, A B A B). Best effort: where THP is off, the pool works on small pages.
-        self._mm = mmap.mmap(-1, self.nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self._mm = mmap.mmap(-1, self.nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as e:  # ENOMEM: the address space or the overcommit policy refuses it
+            raise PinnedMemoryError(
+                f"cannot reserve {fmt_bytes(self.nbytes)} of host memory for the pinned pool: {e.strerror}. "
+                "Lower the pinned budget (pinned_budget / pinned_bytes) or free memory") from None
         start = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         self._off = (-start) % HUGE  # bytes skipped to reach the 2 MiB boundary
         self.base_addr = start + self._off
@@ -136,6 +159,11 @@ class BufferPool:
             lim = "unlimited" if limit is None else fmt_bytes(limit)
             self._u8 = None  # drop the view so the mapping can go
             self._mm.close()
+            if err in (errno.ENOMEM, errno.EAGAIN) and (limit is None or self.nbytes <= limit):
+                raise PinnedMemoryError(  # the limit allows it: the memory itself is short
+                    f"cannot page-lock {fmt_bytes(self.nbytes)} of host memory: {os.strerror(err)}, though the "
+                    f"page-lock limit (ulimit -l) is {lim}. Lower the pinned budget, free memory, or pass "
+                    "lock=False (slower device copies)")
             if err in (errno.ENOMEM, errno.EPERM, errno.EAGAIN):
                 raise PinnedMemoryError(
                     f"cannot page-lock {fmt_bytes(self.nbytes)} of host memory: the page-lock limit "

@@ -25,19 +25,39 @@ def default_device() -> torch.device:
 
 
 def to_dlpack_tensor(obj) -> torch.Tensor:
-    """Accept torch tensors, numpy arrays and any DLPack producer (cupy, jax ...) at the edges."""
-    if isinstance(obj, torch.Tensor):
-        return obj
-    import numpy as np
-
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj)
-    if hasattr(obj, "__dlpack__"):
-        return torch.from_dlpack(obj)
+    """Accept torch tensors, numpy arrays and any DLPack producer (cupy, jax ...) at the edges; refuse tensors
+    whose bytes alone are not the value (sparse, nested, quantized) or that have no bytes (meta)."""
     from ..errors import TierstoreValueError
 
-    raise TierstoreValueError(f"cannot store a {type(obj).__name__}: pass a torch.Tensor, a numpy array or "
-                              "an object with __dlpack__ (cupy, jax)")
+    if isinstance(obj, torch.Tensor):
+        t = obj
+    else:
+        import numpy as np
+
+        if isinstance(obj, np.ndarray):
+            t = torch.from_numpy(obj)
+        elif hasattr(obj, "__dlpack__"):
+            t = torch.from_dlpack(obj)
+        else:
+            raise TierstoreValueError(f"cannot store a {type(obj).__name__}: pass a torch.Tensor, a numpy array "
+                                      "or an object with __dlpack__ (cupy, jax)")
+    if t.is_quantized:
+        raise TierstoreValueError(
+            f"cannot store a quantized {t.dtype} tensor: its bytes alone lose the scale and zero point. Store "
+            "t.dequantize(), or t.int_repr() together with t.q_scale()/t.q_zero_point() (per-channel: "
+            "t.q_per_channel_scales()/zero_points()) under names of their own; for compact storage pass a "
+            "quantized codec (tierstore.quant.codecs) with a float tensor")
+    if t.is_nested:
+        raise TierstoreValueError("cannot store a nested tensor: store each of t.unbind() under a name of its own")
+    if t.layout != torch.strided:
+        raise TierstoreValueError(
+            f"cannot store a tensor of layout {t.layout}: only dense tensors are stored. Store t.to_dense(), or "
+            "its parts (t.indices() and t.values() for COO; crow_indices/col_indices/values for CSR) under names "
+            "of their own")
+    if t.device.type == "meta":
+        raise TierstoreValueError("cannot store a meta tensor: it has a shape but no data. Materialise it first "
+                                  "(torch.empty_like(t, device='cpu') and fill it, or module.to_empty(device=...))")
+    return t
 
 
 class DeviceTier:

@@ -215,7 +215,8 @@ class NvmeTier:
     name = "nvme"
 
     def __init__(self, dirs: list[str], engine: Engine, pool: BufferPool, *, budget_bytes: int | None = None,
-                 extent_file_bytes: int = 16 << 30, stripe_unit: int = 1 << 20):
+                 extent_file_bytes: int = 16 << 30, stripe_unit: int = 1 << 20, read_only: bool = False):
+        self.read_only = read_only  # files opened for reading only; write() refuses
         self.dirs = [os.path.abspath(os.fspath(d)) for d in dirs]
         self.engine = engine
         self.pool = pool
@@ -248,7 +249,8 @@ class NvmeTier:
         while len(self.files) <= f:
             name = EXTENT_FILE.format(len(self.files))
             new = not all(os.path.exists(os.path.join(d, name)) for d in self.dirs)
-            self.files.append(self.engine.open_striped(self.dirs, name, "c", stripe_unit=self.stripe_unit))
+            self.files.append(self.engine.open_striped(self.dirs, name, "r" if self.read_only else "c",
+                                                       stripe_unit=self.stripe_unit))
             if new:
                 self._dirs_unsynced = True  # the new names must be durable before a manifest names them
         return self.files[f]
@@ -398,6 +400,9 @@ class NvmeTier:
         The copy is taken before returning, so `src` may change afterwards. `extent.written` resolves when
         the bytes are in the file (not yet durable: see sync())."""
         self._check()
+        if self.read_only:
+            raise MisuseError("the nvme tier was opened read-only (Store.open(paths, mode='r')); open the store "
+                              "with mode='w' to write")
         n = src.numel() * src.element_size()  # bytes
         if n == 0:
             return Extent(0, 0, 0, 0, 0)

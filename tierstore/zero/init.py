@@ -147,14 +147,12 @@ class Init:
         self.world_size, self.rank = _dist.world_and_rank(self.group)
         if cfg.nvme_paths:
             paths = [os.path.join(p, f"init-rank{self.rank}") for p in cfg.nvme_paths]
-            for p in paths:
-                if os.path.exists(os.path.join(p, "manifest.json")):
-                    os.unlink(os.path.join(p, "manifest.json"))
         else:
             self._tmpdir = tempfile.mkdtemp(prefix="tierstore-init-")
             paths = [self._tmpdir]
         self.store = Store(paths, device_budget=None if cfg.params == "device" else 0,
-                           host_budget=None if cfg.params == "host" else 0, pinned_budget=cfg.pinned_bytes)
+                           host_budget=None if cfg.params == "host" else 0, pinned_budget=cfg.pinned_bytes,
+                           _fresh=True)  # starts empty; discards a previous run's manifest under its locks
         self._inside = True
         with _lock:
             _active.append(self)

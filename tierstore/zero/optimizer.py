@@ -178,13 +178,12 @@ class Zero3Optimizer(torch.optim.Optimizer):
             self._tmpdir = tempfile.mkdtemp(prefix="tierstore-zero-")
             paths = [self._tmpdir]
         tiers = {config.params, config.optimizer_states, config.gradients}
-        for p in paths:  # a previous run's states are not this run's: start empty (checkpoints live elsewhere)
-            for leftover in ("manifest.json", "manifest.json.tmp"):
-                if os.path.exists(os.path.join(p, leftover)):
-                    os.unlink(os.path.join(p, leftover))
+        # A previous run's states are not this run's: the store starts empty (checkpoints live elsewhere). It
+        # discards them itself, after it has locked every directory, so an optimizer started on directories
+        # another one is using gets MisuseError and changes nothing.
         self.store = Store(paths, device_budget=None if "device" in tiers else 0,
                            host_budget=None if "host" in tiers else 0, pinned_budget=config.pinned_bytes,
-                           device=self.device)
+                           device=self.device, _fresh=True)
         self._qs: dict[tuple[int, str], tuple[str, int]] = {}  # (gid, state) -> (scheme, elements) when 8-bit
         self._policy = None
         if config.state_codec == "dynamic8":
