@@ -39,7 +39,7 @@ class TierstoreIOError(TierstoreError, OSError):
 
 _DISK_FAILED = "the disk or its filesystem failed (see the kernel log, dmesg): check and repair it"
 _ADVICE = {
-    _errno.ENOSPC: "the disk is full: free space or add another directory to stripe over",
+    _errno.ENOSPC: "the disk is full: free space, or use a disk (or more directories) with room",
     _errno.EDQUOT: "the disk quota is used up: free space or raise the quota",
     _errno.EIO: _DISK_FAILED,
     _errno.EUCLEAN: _DISK_FAILED,
