@@ -291,23 +291,24 @@ class Store:
         def names(ts) -> str:
             text = ", ".join(repr(t.name) for t in ts[:8])
             return text + (f" and {len(ts) - 8} more" if len(ts) > 8 else "")
-        msg = f"flush failed: writing {len(fates)} tensor(s) failed ({err}). Nothing flushed before is lost."
+        parts = [f"flush failed: {len(fates)} tensor(s) could not be written ({os.strerror(code)})",
+                 "Nothing flushed before is lost"]
         if lost:
             reverted = [t for t, f in lost if f == "reverted"]
             removed = [t for t, f in lost if f == "removed"]
-            msg += (f" The new values of {len(lost)} tensor(s) existed only in the failed write and are gone: "
-                    "put or update them again")
+            text = f"The new values of {len(lost)} tensor(s) existed only in the failed write and are gone"
             if reverted:
-                msg += f"; back at their last flushed value: {names(reverted)}"
+                text += f"; back at their last flushed value: {names(reverted)}"
             if removed:
-                msg += f"; never flushed, so removed from the store: {names(removed)}"
-            msg += "."
+                text += f"; never flushed, so removed from the store: {names(removed)}"
+            parts.append(text + "; put or update them again")
         cause = advice(code)
         if kept:
-            msg += (f" Still held in memory, stored by the next flush() that succeeds: {names(kept)}"
-                    f"{'; ' + cause + ', then' if cause else ';'} call flush() again.")
+            parts.append(f"Still held in memory, stored by the next flush() that succeeds: {names(kept)}"
+                         f"{'; ' + cause + ', then' if cause else ';'} call flush() again")
         elif cause:
-            msg += f" {cause[0].upper()}{cause[1:]}."
+            parts.append(cause[0].upper() + cause[1:])
+        msg = ". ".join(parts)
         return TierstoreIOError(code, msg, getattr(err, "filename", None), getattr(err, "offset", None),
                                 getattr(err, "length", None))
 
