@@ -465,7 +465,8 @@ def test_corruption_in_a_chunked_large_read(tmp_path, aligned):
 
 def test_extent_files_are_preallocated_best_effort(tmp_path, monkeypatch):
     """Beyond PREALLOC_FROM an extent file's space is reserved ahead of the writes (see
-    [Note: extent files are preallocated ahead of the writes]); where fallocate fails, writes go on."""
+    [Note: extent files are preallocated ahead of the writes]); where fallocate is not supported, writes go on
+    (a full disk refusing fallocate is tests/test_store_faults.py's)."""
     import tierstore.tiers.nvme as nvme
 
     monkeypatch.setattr(nvme, "PREALLOC_FROM", 0)
@@ -481,7 +482,7 @@ def test_extent_files_are_preallocated_best_effort(tmp_path, monkeypatch):
         assert all(torch.equal(s.get(k), v) for k, v in xs.items())
 
     def refuse(fd, offset, length):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
     monkeypatch.setattr(nvme, "_fallocate", refuse)
     with Store(tmp_path / "b", buffer_bytes=1 << 20, pinned_budget=4 << 20) as s:
         for k, v in xs.items():

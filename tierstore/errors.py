@@ -37,15 +37,51 @@ class TierstoreIOError(TierstoreError, OSError):
         return (type(self), (self.errno, self.strerror, self.filename, self.offset, self.length))
 
 
+_DISK_FAILED = "the disk or its filesystem failed (see the kernel log, dmesg): check and repair it"
+_ADVICE = {
+    _errno.ENOSPC: "the disk is full: free space, or use a disk (or more directories) with room",
+    _errno.EDQUOT: "the disk quota is used up: free space or raise the quota",
+    _errno.EIO: _DISK_FAILED,
+    _errno.EUCLEAN: _DISK_FAILED,
+    _errno.ENXIO: "the device is gone: reattach the disk",
+    _errno.ENODEV: "the device is gone: reattach the disk",
+    _errno.EROFS: "the filesystem is read-only (a filesystem remounts itself read-only after an error): check "
+                  "the disk, then remount it read-write",
+    _errno.EACCES: "permission denied: give this process write access to the store's directories",
+    _errno.EPERM: "operation not permitted: give this process write access to the store's directories",
+    _errno.EFBIG: "the file grew past what the filesystem allows: use a smaller extent_file_bytes",
+    _errno.EMFILE: "too many open files: raise the limit (ulimit -n)",
+    _errno.ENFILE: "too many open files on the system: close some or raise fs.file-max",
+}
+
+
+def advice(err: int | None) -> str:
+    """What to do about a failed request with errno `err` (positive), true for that cause; "" if nothing
+    specific can be said. Never "free space" for anything but a full disk.
+
+    [Note: advice follows the errno]
+    A full disk is fixed by freeing space; an EIO (a failing disk, or a filesystem that was shut down after
+    an error -- ext4 and xfs then answer every request with EIO) or EROFS is not, and telling the user to
+    free space sends them the wrong way. Callers add what their own state allows (whether a retry can
+    succeed); this says only what the cause needs."""
+    return _ADVICE.get(err or 0, "")
+
+
 def io_error(err: int, what: str, filename: str | None, offset: int | None, length: int | None,
              hint: str = "") -> TierstoreIOError:
     """Build the error for a failed request; `err` is a positive errno."""
     msg = f"{what} failed: {os.strerror(err)}"
-    if err == _errno.ENOSPC:
-        msg += "; the disk is full: free space or add another directory to stripe over"
+    if advice(err):
+        msg += f"; {advice(err)}"
     if hint:
         msg += f"; {hint}"
     return TierstoreIOError(err, msg, filename, offset, length)
+
+
+def prefixed(e: TierstoreIOError, prefix: str) -> TierstoreIOError:
+    """A TierstoreIOError like `e` (errno, file, offset, length) with `prefix` put before its message: a
+    caller adds what the failure means at its level (which value was not kept)."""
+    return TierstoreIOError(e.errno, f"{prefix}: {e.strerror}", e.filename, e.offset, e.length)
 
 
 class CorruptionError(TierstoreIOError):

@@ -17,6 +17,16 @@ the rename leaves the previous manifest, whose extents were never overwritten (c
 it leaves the new one, whose data was durable before it was written. Every extent's crc32c is checked on
 read, and the manifest carries a crc32c of its own body.
 
+[Note: when a flush fails]
+Before the manifest rename nothing the previous flush named was touched (copy-on-write), so a failed flush
+leaves the previous flush standing; what the error must say is what became of the values put since.
+A value whose space could not be reserved (a full disk, see [Note: space is reserved when it is
+allocated] in tiers/nvme.py) still has its memory copy: a later flush() stores it. A value whose only copy
+was a write that failed (an EIO) is gone: its tensor is back at its last flushed value, or removed if never
+flushed, and the error names it without advising a retry. After the rename, a failed directory fsync
+leaves it unknown which manifest a crash would leave: both are kept intact -- the new extents stay
+protected and the previous ones pending free -- until a later flush succeeds.
+
 [Note: budgets and spill]
 `put(tier=None)` places a tensor on the fastest tier whose budget can hold it at all, making room by
 spilling that tier's least recently used tensors one tier down (a tensor that already has a copy lower
@@ -47,7 +57,8 @@ from typing import Any, Iterable, Iterator
 import crc32c
 import torch
 
-from .errors import CorruptionError, MisuseError, TierFullError, TierstoreIOError, TierstoreValueError
+from .errors import (CorruptionError, MisuseError, TierFullError, TierstoreIOError, TierstoreValueError, advice,
+                     io_error, prefixed)
 from .io import BufferPool, Engine
 from .tensor import (IDENTITY, TieredTensor, codec_config, codec_from_config, dtype_from_name, dtype_name,
                      out_bytes, to_numpy)
@@ -275,13 +286,16 @@ class Store:
         log.debug("spilled %r (%d bytes) from %s to %s to make room (%s)", v.name, v.nbytes, tier, dest,
                   self._budgets_text())
 
-    def _write_failed(self, t: TieredTensor, ext: Extent, err: BaseException) -> None:
-        """The write of `ext`, t's nvme copy, failed (lock held): fall back to what is still valid."""
+    def _write_failed(self, t: TieredTensor, ext: Extent, err: BaseException) -> str:
+        """The write of `ext`, t's nvme copy, failed (lock held): fall back to what is still valid. Returns what
+        became of t's value: 'replaced' (a newer value took its place meanwhile), 'kept' (a memory copy holds
+        it; the next flush writes it again), 'reverted' (it existed only in the failed write: t is back at its
+        last flushed value) or 'removed' (it existed only there and t was never flushed: t is gone)."""
         if t._copies.get("nvme") is not ext:
-            return
+            return "replaced"
         t._remove("nvme")
         if t._memory_copy() is not None:
-            return  # rewritten by the next flush
+            return "kept"
         if t._committed is not None and t._committed is not ext:
             self._nvme.unfree(t._committed)
             t._copies["nvme"] = t._committed
@@ -289,12 +303,45 @@ class Store:
             t._version += 1
             log.error("tensor %r: writing its new value failed (%s); it is back at its last flushed value",
                       t.name, err)
-        else:
-            if self._tensors.get(t.name) is t:
-                del self._tensors[t.name]
-            t._deleted = True
-            log.error("tensor %r: writing it failed (%s) and no other copy existed; it was never flushed and "
-                      "is gone", t.name, err)
+            return "reverted"
+        if self._tensors.get(t.name) is t:
+            del self._tensors[t.name]
+        t._deleted = True
+        log.error("tensor %r: writing it failed (%s) and no other copy existed; it was never flushed and "
+                  "is gone", t.name, err)
+        return "removed"
+
+    def _flush_error(self, fates: list[tuple[TieredTensor, str, BaseException]]) -> TierstoreIOError:
+        """The error of a flush whose writes failed: names the tensors whose new value was lost and those a
+        later flush stores (see [Note: when a flush fails])."""
+        err = fates[0][2]
+        code = getattr(err, "errno", None) or errno.EIO
+        lost = [(t, f) for t, f, _e in fates if f in ("reverted", "removed")]
+        kept = [t for t, f, _e in fates if f == "kept"]
+
+        def names(ts) -> str:
+            text = ", ".join(repr(t.name) for t in ts[:8])
+            return text + (f" and {len(ts) - 8} more" if len(ts) > 8 else "")
+        parts = [f"flush failed: {len(fates)} tensor(s) could not be written ({os.strerror(code)})",
+                 "Nothing flushed before is lost"]
+        if lost:
+            reverted = [t for t, f in lost if f == "reverted"]
+            removed = [t for t, f in lost if f == "removed"]
+            text = f"The new values of {len(lost)} tensor(s) existed only in the failed write and are gone"
+            if reverted:
+                text += f"; back at their last flushed value: {names(reverted)}"
+            if removed:
+                text += f"; never flushed, so removed from the store: {names(removed)}"
+            parts.append(text + "; put or update them again")
+        cause = advice(code)
+        if kept:
+            parts.append(f"Still held in memory, stored by the next flush() that succeeds: {names(kept)}"
+                         f"{'; ' + cause + ', then' if cause else ';'} call flush() again")
+        elif cause:
+            parts.append(cause[0].upper() + cause[1:])
+        msg = ". ".join(parts)
+        return TierstoreIOError(code, msg, getattr(err, "filename", None), getattr(err, "offset", None),
+                                getattr(err, "length", None))
 
     # -- public API --------------------------------------------------------------------------------------
     def put(self, name: str, value, tier: str | None = None, *, codec=None) -> TieredTensor:
@@ -315,15 +362,20 @@ class Store:
             if tier is not None and tier != "nvme" and not self._tier(tier).budget.fits_at_all(t.nbytes):
                 raise self._full_error(tier, t)
             placed = None
-            for tr in ([tier] if tier is not None else TIERS):
-                if tr == "nvme":
-                    t._write_nvme(value)
-                elif self._make_room(tr, t.nbytes, exclude=t):
-                    t._place_memory(tr, value)
-                else:
-                    continue
-                placed = tr
-                break
+            try:
+                for tr in ([tier] if tier is not None else TIERS):
+                    if tr == "nvme":
+                        t._write_nvme(value)
+                    elif self._make_room(tr, t.nbytes, exclude=t):
+                        t._place_memory(tr, value)
+                    else:
+                        continue
+                    placed = tr
+                    break
+            except TierstoreIOError as e:  # no room reserved on disk (for it or a tensor spilled for it)
+                self._discard(t)
+                raise prefixed(e, f"put({name!r}) did not store the value (the store keeps what it held under "
+                                  "that name, if anything)") from None
             if placed is None:
                 raise self._full_error(tier, t)
             old = self._tensors.get(name)
@@ -481,51 +533,63 @@ class Store:
     __delitem__ = delete
 
     def flush(self) -> None:
-        """Make every tensor put so far durable (see [Note: crash safety]). On an I/O error (disk full ...)
-        it raises, the previous flush stays what a reopen finds, and a later flush() retries."""
+        """Make every tensor put so far durable (see [Note: crash safety]). On an I/O error it raises a
+        TierstoreIOError saying which new values were lost and which a later flush() stores, and what to do
+        for that errno (see [Note: when a flush fails])."""
         self._check_writable("flush()")
         t0 = time.perf_counter()
         with self._flush_lock, profile_range("tierstore::flush"):
             with self._lock:
                 self._check_open()
+                fates: list[tuple[TieredTensor, str, BaseException]] = []
                 for t in list(self._tensors.values()):
                     if "nvme" not in t._copies and t._memory_copy() is not None:
-                        t._write_nvme(t._memory_copy())
+                        try:
+                            t._write_nvme(t._memory_copy())
+                        except TierstoreIOError as e:  # no room reserved: the memory copy still holds it
+                            fates.append((t, "kept", e))
                 snapshot = [(t, t._copies["nvme"]) for t in self._tensors.values() if "nvme" in t._copies]
                 protected = self._nvme.protect([e for _t, e in snapshot])
+            renamed = False
             try:
                 self._nvme.sync()
                 failed = [(t, e, e.written.exception()) for t, e in snapshot
                           if e.written is not None and e.written.exception() is not None]
-                if failed:
+                if failed or fates:
                     with self._lock:
                         self._nvme.unprotect(protected)
                         protected = []
-                        for t, e, err in failed:
-                            self._write_failed(t, e, err)
-                    t_, e_, err = failed[0]
-                    names = ", ".join(repr(t.name) for t, _e, _x in failed[:5])
-                    more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
-                    raise TierstoreIOError(
-                        getattr(err, "errno", None) or 5,
-                        f"flush failed: writing {len(failed)} tensor(s) ({names}{more}) failed: {err}. Nothing "
-                        "flushed before is lost; free space (or fix the disk) and call flush() again",
-                        getattr(err, "filename", None), getattr(err, "offset", None), getattr(err, "length", None))
+                        fates += [(t, self._write_failed(t, e, err), err) for t, e, err in failed]
+                    raise self._flush_error(fates)
                 for _t, e in snapshot:
                     e.written = None
                 self._write_manifest(snapshot)
-            except BaseException:
+                renamed = True
                 with self._lock:
-                    self._nvme.unprotect(protected)
+                    for t, e in snapshot:
+                        t._committed = e
+                try:
+                    fsync_dir(self.paths[0])
+                except OSError as e:
+                    code = e.errno or errno.EIO
+                    raise TierstoreIOError(
+                        code, f"flush: the new manifest is in place but making it durable failed (fsync of the "
+                        f"directory: {os.strerror(code)}). After a crash a reopen finds either this flush or the "
+                        "previous one, so the space of both is kept (never reused) until a flush() succeeds. "
+                        f"{advice(code) or 'Check the disk'}, then call flush() again", self.paths[0]) from None
+            except BaseException:
+                if not renamed:  # the previous manifest stands: this one's extents need no protection
+                    with self._lock:
+                        self._nvme.unprotect(protected)
                 raise
             with self._lock:
-                for t, e in snapshot:
-                    t._committed = e
                 self._nvme.commit_done([e for _t, e in snapshot])
         self._flushes += 1
         self._flush_seconds += time.perf_counter() - t0
 
     def _write_manifest(self, snapshot: list[tuple[TieredTensor, Extent]]) -> None:
+        """Write the manifest naming `snapshot` to a temporary file, fsync it and rename it over the last one
+        (the directory fsync that makes the rename durable is the caller's). Raises with nothing renamed."""
         tensors = {}
         for t, e in snapshot:
             cached = t._manifest_entry
@@ -553,14 +617,14 @@ class Store:
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, final)
-                fsync_dir(self.paths[0])
             except OSError as e:
                 try:
                     os.unlink(tmp)
                 except OSError:
                     pass
-                raise TierstoreIOError(e.errno or 5, f"writing the manifest failed: {e.strerror}; the previous "
-                                       "flush stands. Free space and call flush() again", tmp) from None
+                raise io_error(e.errno or errno.EIO, "flush: writing the manifest", tmp, None, None,
+                               "nothing was renamed, the previous flush stands and every unflushed value is still "
+                               "held: once that is fixed, call flush() again") from None
         self._generation += 1
 
     def stats(self) -> dict:

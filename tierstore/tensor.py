@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 import torch
 
-from .errors import MisuseError, TierstoreValueError
+from .errors import MisuseError, TierstoreIOError, TierstoreValueError, prefixed
 from .tiers import TIERS, Extent, profile_range, tier_index
 from .tiers.host import result_empty
 
@@ -207,10 +207,17 @@ class TieredTensor:
 
     # -- internal moves (store lock held) ---------------------------------------------------------------
     def _write_nvme(self, src: torch.Tensor) -> None:
-        """Write `src` (current value, any tier) as the nvme copy."""
+        """Write `src` (current value, any tier) as the nvme copy. When no space can be reserved for it
+        (TierstoreIOError, nothing written) an nvme copy that a memory copy has overtaken is dropped -- the
+        memory copy holds the value, the next flush writes it -- and the error is raised."""
         cpu = src if src.device.type == "cpu" else self._store._device.copy_out(src, self._store._host.empty(
             tuple(src.shape), src.dtype))
-        ext = self._store._nvme.write(self._encode(cpu.contiguous()))
+        try:
+            ext = self._store._nvme.write(self._encode(cpu.contiguous()), f"tensor {self.name!r}")
+        except TierstoreIOError:
+            if "nvme" in self._copies and self._memory_copy() is not None:
+                self._remove("nvme")  # stale: resident(writeback=True) changed the memory copy in place
+            raise
         self._install("nvme", ext)
 
     def _install(self, tier: str, copy) -> None:
@@ -395,7 +402,11 @@ class TieredTensor:
                         if other == tier:
                             continue
                         if other == "nvme":
-                            self._write_nvme(x)
+                            try:
+                                self._write_nvme(x)
+                            except TierstoreIOError as e:  # x is kept (and written by the next flush)
+                                log.warning("tensor %r: its nvme copy was dropped, not rewritten (%s)",
+                                            self.name, e)
                         else:
                             with profile_range("tierstore::writeback"):
                                 self._copies[other].copy_(x)
@@ -468,4 +479,8 @@ class TieredTensor:
                 if mem:
                     self._remove("nvme")
                 else:
-                    self._write_nvme(value)
+                    try:
+                        self._write_nvme(value)
+                    except TierstoreIOError as e:  # no room reserved: the previous value is intact
+                        raise prefixed(e, f"update() of tensor {self.name!r} did not store the new value (the "
+                                          "tensor keeps its previous one)") from None

@@ -37,7 +37,7 @@ from concurrent.futures import Future
 import crc32c
 import torch
 
-from ..errors import CorruptionError, MisuseError, TierFullError, TierstoreValueError
+from ..errors import CorruptionError, MisuseError, TierFullError, TierstoreValueError, io_error
 from ..io import ALIGN, Buffer, BufferPool, Engine, StripedFile
 from ..io.files import fsync_dir
 from .base import Budget, TierStats, profile_range
@@ -275,9 +275,40 @@ class NvmeTier:
         if account:
             self._charge(nbytes)
         f, off = self.alloc.alloc(nbytes)
-        self._file(f)
+        try:
+            self._file(f)
+        except BaseException:
+            self._release(f, off, nbytes, account)
+            raise
         self._preallocate(f, off + nbytes)
         return f, off
+
+    def _reserve(self, f: int, off: int, nbytes: int, what: str) -> None:
+        """Give logical bytes [off, off + nbytes) of extent file `f` their disk blocks now (lock held).
+
+        [Note: space is reserved when it is allocated]
+        A write runs after the call that asked for it has returned (packed writes wait for their buffer to
+        fill), so a full disk found by the write is found too late: the value may exist nowhere else (an
+        nvme-only tensor's update, a put with no memory tier) and the caller was already told it was stored.
+        So every new extent's range is reserved with fallocate() by the call that allocates it: on a full
+        disk that call raises ENOSPC while the previous value is intact (copy-on-write), and the write into
+        reserved blocks cannot run out of space. Space inside the preallocated prefix of a file (see
+        _preallocate) already has its blocks. Where fallocate is not supported the write reports a full disk
+        itself, later, and flush() names the values that were lost (see [Note: when a flush fails] in
+        store.py); so do errors other than a full disk (EIO), which no reservation can foresee."""
+        if not self._prealloc_ok or nbytes == 0 or off + nbytes <= self._prealloc.get(f, 0):
+            return
+        try:
+            for part, phys, _within, length in self.files[f].map(off, nbytes):
+                _fallocate(part.fd, phys, length)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                self._prealloc_ok = False
+                return
+            paths = self.file_paths(f, off, nbytes)
+            raise io_error(e.errno or errno.EIO, f"reserving {nbytes} bytes of disk space for {what}",
+                           ",".join(paths), off, nbytes) from None
+        self._dirty_files.add(f)
 
     def _preallocate(self, f: int, end: int) -> None:
         """Make sure extent file `f` has disk space reserved up to logical byte `end` (lock held).
@@ -289,8 +320,8 @@ class NvmeTier:
         space of each extent file is reserved with fallocate() ahead of use once the file passes
         PREALLOC_FROM (small stores stay as small on disk as their data), growing geometrically (the size
         so far, at most 1 GiB at a time). Best effort: where fallocate is not supported or the disk is too
-        full for a step, only what is needed is asked for, then nothing, and the write itself reports a
-        full disk as before. Reserved space no manifest names is free space, so this changes nothing for
+        full for a step, only what is needed is asked for, then nothing: the reservation of each extent
+        (_reserve) then reports a full disk. Reserved space no manifest names is free space, so this changes nothing for
         crash safety; the fsync in sync() covers the new size."""
         have = self._prealloc.get(f, 0)  # bytes, logical
         if end <= have or end <= PREALLOC_FROM or not self._prealloc_ok:
@@ -394,11 +425,13 @@ class NvmeTier:
                 self._inflight.discard(f)
         fut.add_done_callback(done)
 
-    def write(self, src: torch.Tensor) -> Extent:
+    def write(self, src: torch.Tensor, what: str = "a tensor") -> Extent:
         """Start writing the bytes of `src` (a contiguous CPU tensor, any dtype); returns its extent at once.
 
         The copy is taken before returning, so `src` may change afterwards. `extent.written` resolves when
-        the bytes are in the file (not yet durable: see sync())."""
+        the bytes are in the file (not yet durable: see sync()). The extent's disk space is reserved before
+        returning: a full disk raises TierstoreIOError (ENOSPC) here, naming `what`, with nothing written
+        (see [Note: space is reserved when it is allocated])."""
         self._check()
         if self.read_only:
             raise MisuseError("the nvme tier was opened read-only (Store.open(paths, mode='r')); open the store "
@@ -413,20 +446,29 @@ class NvmeTier:
         try:
             with profile_range("tierstore::nvme_write"):
                 if alen <= self.pool.buffer_bytes:
-                    return self._write_staged(src.data_ptr(), n, alen)
-                return self._write_streamed(src.data_ptr(), n, alen)
+                    return self._write_staged(src.data_ptr(), n, alen, what)
+                return self._write_streamed(src.data_ptr(), n, alen, what)
         finally:
             self.stats.add("in", n, time.perf_counter() - t0)
 
-    def _write_staged(self, addr: int, n: int, alen: int) -> Extent:
+    def _write_staged(self, addr: int, n: int, alen: int, what: str) -> Extent:
         with self._lock:
             st = self._staging
             self._charge(alen)
-            if st is None or st.fill + alen > st.region:
-                self._seal()
-                buf = self.pool.lease()
-                f, base = self._allocate(self.pool.buffer_bytes, account=False)
-                st = self._staging = _Staging(buf, f, base, self.pool.buffer_bytes)
+            try:
+                if st is None or st.fill + alen > st.region:
+                    self._seal()
+                    buf = self.pool.lease()
+                    try:
+                        f, base = self._allocate(self.pool.buffer_bytes, account=False)
+                    except BaseException:
+                        buf.release()
+                        raise
+                    st = self._staging = _Staging(buf, f, base, self.pool.buffer_bytes)
+                self._reserve(st.file, st.base + st.fill, alen, what)
+            except BaseException:
+                self.budget.give(alen)
+                raise
             pos = st.fill
             dst = st.buf.addr + pos
             ctypes.memmove(dst, addr, n)
@@ -467,9 +509,14 @@ class NvmeTier:
         with self._lock:
             self._seal()
 
-    def _write_streamed(self, addr: int, n: int, alen: int) -> Extent:
+    def _write_streamed(self, addr: int, n: int, alen: int, what: str) -> Extent:
         with self._lock:
             f, off = self._allocate(alen)
+            try:
+                self._reserve(f, off, alen, what)
+            except BaseException:
+                self._release(f, off, alen)
+                raise
             self._dirty_files.add(f)
             sf = self.files[f]
         bb = self.pool.buffer_bytes
@@ -555,6 +602,19 @@ class NvmeTier:
             f"{e.length} bytes at offset {e.offset} of extent file {EXTENT_FILE.format(e.file)} "
             f"({', '.join(paths)}); the file was changed outside tierstore or the disk returned bad data",
             paths[0] if len(paths) == 1 else ",".join(paths), e.offset, e.length)
+
+    def _truncated(self, e: Extent, what: str) -> CorruptionError | None:
+        """A CorruptionError when extent `e` reaches past the end of a part of its extent file (a read of it
+        comes back short), else None."""
+        for part, phys, _within, length in self.files[e.file].map(e.offset, e.alloc):
+            size = os.fstat(part.fd).st_size  # bytes
+            if size < phys + length:
+                return CorruptionError(
+                    f"{what}: the extent file {part.path} ends at byte {size}, inside this tensor's {e.length} "
+                    f"bytes at offset {e.offset} of extent file {EXTENT_FILE.format(e.file)}: the file was "
+                    "truncated outside tierstore; restore it from a backup, or delete the tensor",
+                    part.path, e.offset, e.length)
+        return None
 
     def read_many(self, items: list[tuple[Extent, torch.Tensor, str]]) -> list[BaseException | None]:
         """Read many extents, each into its `out` (contiguous uint8 CPU tensor of e.length elements).
@@ -657,7 +717,7 @@ class NvmeTier:
                 try:
                     io.result()
                 except BaseException as exc:
-                    errors[i] = errors[i] or exc
+                    errors[i] = errors[i] or self._truncated(e, what) or exc
                     return
                 if errors[i] is not None:
                     return
@@ -703,6 +763,7 @@ class NvmeTier:
 
     def _read_runs(self, items, runs: list[list[int]], errors: list) -> None:
         window: deque = deque()
+        alone: list[int] = []  # of a run that failed: extents not cut off by a truncation, read again alone
 
         def finish_oldest() -> None:
             run, start, buf, io = window.popleft()
@@ -711,7 +772,12 @@ class NvmeTier:
                     io.result()
                 except BaseException as exc:
                     for i in run:
-                        errors[i] = exc
+                        e, _out, what = items[i]
+                        cut = self._truncated(e, what)
+                        if cut is None and len(run) > 1:
+                            alone.append(i)
+                        else:
+                            errors[i] = cut or exc
                     return
                 for i in run:
                     e, out, what = items[i]
@@ -742,6 +808,8 @@ class NvmeTier:
                 _r, _s, buf, io = window.popleft()
                 io.exception()
                 buf.release()
+        if alone:
+            self._read_runs(items, [[i] for i in alone], errors)
 
     # -- durability -------------------------------------------------------------------------------
     def sync(self) -> None:

@@ -67,6 +67,7 @@ any other version is refused with its number.
 """
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -78,7 +79,7 @@ import uuid
 import crc32c
 import torch
 
-from ..errors import CorruptionError, TierstoreValueError
+from ..errors import CorruptionError, TierstoreError, TierstoreIOError, TierstoreValueError, advice
 from ..io.files import fsync_dir
 from ..partition import Plan, reshard_copies
 from ..tiers.nvme import crc_at, memory_at
@@ -190,62 +191,146 @@ class _RecordWriter:
 
 def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1) -> str:
     """Write a checkpoint of `opt` (every rank calls it) and return its directory. See [Note: atomic
-    checkpoints] and [Note: streaming save and load]. keep: how many previous checkpoints to leave besides the
-    new one (rank 0 deletes older)."""
+    checkpoints], [Note: a failed save] and [Note: streaming save and load]. keep: how many previous
+    checkpoints to leave besides the new one (rank 0 deletes older).
+
+    [Note: a failed save]
+    Any rank's failure (a full disk, EIO ...) fails the save on every rank with a TierstoreIOError naming
+    the rank and the file: each phase ends in a collective that carries every rank's outcome -- the
+    checkpoint's name from rank 0, the rank files' sizes, rank 0's meta.json and ``latest`` -- so a rank
+    that failed still takes part and none waits for it forever. The new checkpoint directory is then
+    removed, and ``latest`` and the previous checkpoints are untouched. Except when ``latest`` was renamed
+    but the directory fsync after it failed: a crash may leave either checkpoint named, so both are kept
+    (older ones are not deleted) and the error says so."""
     directory = os.path.abspath(os.fspath(directory))
     group = opt.group
-    name = None
+    name = sub = None
+    where = directory  # the path the failing step was writing
+    failed = None  # this rank's failure: (path, exception)
     if opt.rank == 0:
-        os.makedirs(directory, exist_ok=True)
         name = f"ckpt-{opt.steps:08d}-{uuid.uuid4().hex[:8]}"
-    name = _dist.broadcast_object(name, 0, group)
-    sub = os.path.join(directory, name)
-    if opt.rank == 0:
-        os.makedirs(sub)
-    _dist.barrier(group)
-    fname = f"rank{opt.rank:05d}.bin"
-    w = _RecordWriter(os.path.join(sub, fname))
-    try:
-        for gl in opt.layout.groups:
-            for gid in gl.gids:
-                if not gl.trainable:
-                    w.tensor(f"{gid}.param", opt.store.get(f"p{gid}", device="cpu"))
-                    continue
-                sg = opt._export_subgroup(gid)  # one sub-group in memory at a time
-                w.tensor(f"{gid}.master", sg.pop("master"))
-                for k in list(sg["state"]):
-                    w.tensor(f"{gid}.state.{k}", sg["state"].pop(k))
-                w.set_aux(gid, sg["aux"])
-                del sg
-        info = w.finish()
-    except BaseException:
-        w.abort()
-        raise
-    files = _dist.all_gather_object((fname, *info), group)
-    if opt.rank == 0:
-        bw = _RecordWriter(os.path.join(sub, "buffers.bin"))
+        sub = os.path.join(directory, name)
         try:
-            for n, b in opt.model.named_buffers():
-                bw.tensor(n, b)
-            files.append(("buffers.bin", *bw.finish()))
+            os.makedirs(directory, exist_ok=True)
+            os.makedirs(sub)
+        except Exception as e:
+            failed = (sub, e)
+    name, failures = _dist.broadcast_object((name, _outcome(opt.rank, failed)), 0, group)
+    sub = os.path.join(directory, name)
+    if failures:
+        _save_failed(opt, sub, failures, failed)
+    fname = f"rank{opt.rank:05d}.bin"
+    info = None
+    try:
+        where = os.path.join(sub, fname)
+        w = _RecordWriter(where)
+        try:
+            for gl in opt.layout.groups:
+                for gid in gl.gids:
+                    if not gl.trainable:
+                        w.tensor(f"{gid}.param", opt.store.get(f"p{gid}", device="cpu"))
+                        continue
+                    sg = opt._export_subgroup(gid)  # one sub-group in memory at a time
+                    w.tensor(f"{gid}.master", sg.pop("master"))
+                    for k in list(sg["state"]):
+                        w.tensor(f"{gid}.state.{k}", sg["state"].pop(k))
+                    w.set_aux(gid, sg["aux"])
+                    del sg
+            info = w.finish()
         except BaseException:
-            bw.abort()
+            w.abort()
             raise
-        body = {"world_size": opt.world_size, "layout": opt.layout.to_dict(), "param_groups": _jsonable(
-            opt._hyperparams()), "optimizer": f"{opt.optimizer_class.__module__}.{opt.optimizer_class.__name__}",
-            "compute_dtype": str(opt.config.compute_dtype).removeprefix("torch."), "steps": opt.steps,
-            "scaler": opt._scaler.state_dict(), "aliases": opt._aliases,
-            "files": {f: {"nbytes": n, "index_crc32c": c} for f, n, c in files}}
-        doc = {"format": FORMAT, "version": VERSION, "crc32c": _body_crc(body), "body": body}
-        _write_atomic(os.path.join(sub, "meta.json"), json.dumps(doc, indent=1).encode())
-        _write_atomic(os.path.join(directory, LATEST), name.encode())
-        old = sorted(d for d in os.listdir(directory) if d.startswith("ckpt-") and d != name)
+    except Exception as e:
+        failed = (where, e)
+    gathered = _dist.all_gather_object((fname, info, _outcome(opt.rank, failed)), group)
+    failures = [f for _fn, _i, out in gathered for f in out]
+    if failures:
+        _save_failed(opt, sub, failures, failed)
+    files = [(f, *i) for f, i, _out in gathered]
+    renamed = False  # rank 0: `latest` names the new checkpoint
+    if opt.rank == 0:
+        try:
+            where = os.path.join(sub, "buffers.bin")
+            bw = _RecordWriter(where)
+            try:
+                for n, b in opt.model.named_buffers():
+                    bw.tensor(n, b)
+                files.append(("buffers.bin", *bw.finish()))
+            except BaseException:
+                bw.abort()
+                raise
+            body = {"world_size": opt.world_size, "layout": opt.layout.to_dict(), "param_groups": _jsonable(
+                opt._hyperparams()), "optimizer": f"{opt.optimizer_class.__module__}.{opt.optimizer_class.__name__}",
+                "compute_dtype": str(opt.config.compute_dtype).removeprefix("torch."), "steps": opt.steps,
+                "scaler": opt._scaler.state_dict(), "aliases": opt._aliases,
+                "files": {f: {"nbytes": n, "index_crc32c": c} for f, n, c in files}}
+            doc = {"format": FORMAT, "version": VERSION, "crc32c": _body_crc(body), "body": body}
+            where = os.path.join(sub, "meta.json")
+            _write_atomic(where, json.dumps(doc, indent=1).encode())
+            where = os.path.join(directory, LATEST)
+            _write_atomic(where, name.encode())
+        except Exception as e:
+            failed = (where, e)
+            renamed = where.endswith(LATEST) and _names(where, name)
+            for leftover in (where + ".tmp",):
+                try:
+                    os.unlink(leftover)
+                except OSError:
+                    pass
+    renamed, failures = _dist.broadcast_object((renamed, _outcome(opt.rank, failed)), 0, group)
+    if failures:
+        _save_failed(opt, sub, failures, failed, renamed)
+    if opt.rank == 0:
+        try:
+            old = sorted(d for d in os.listdir(directory) if d.startswith("ckpt-") and d != name)
+        except OSError:
+            old = []  # the new checkpoint is complete; older ones are deleted by the next save
         old_complete = [d for d in old if os.path.exists(os.path.join(directory, d, "meta.json"))]
         for d in old:
             if d not in old_complete[len(old_complete) - keep:] or keep == 0:
                 shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
     _dist.barrier(group)
     return sub
+
+
+def _names(latest: str, name: str) -> bool:
+    try:
+        with open(latest, "rb") as f:
+            return f.read() == name.encode()
+    except OSError:
+        return False
+
+
+def _outcome(rank: int, failed) -> list[tuple[int, str, int | None, str]]:
+    """This rank's failure as picklable data for a collective: [] or [(rank, path, errno, message)]."""
+    if failed is None:
+        return []
+    path, e = failed
+    return [(rank, path, getattr(e, "errno", None), f"{type(e).__name__}: {e}")]
+
+
+def _save_failed(opt, sub: str, failures: list, failed, renamed: bool = False):
+    """Every rank: remove the new checkpoint (rank 0) unless `latest` may name it, and raise."""
+    if opt.rank == 0 and not renamed:
+        shutil.rmtree(sub, ignore_errors=True)
+    rank, path, code, message = failures[0]
+    mine = failed is not None and rank == opt.rank
+    who = "this rank" if rank == opt.rank else f"rank {rank}"
+    if renamed:
+        fate = (f"`latest` was replaced but making that durable failed: after a crash it names either the new "
+                f"checkpoint {sub} or the previous one, so both are kept")
+    else:
+        fate = "the new checkpoint was removed; `latest` and the previous checkpoints are untouched"
+    if code is None:  # not an I/O error (a bug, bad state): the rank that raised it raises it as it was
+        if mine:
+            raise failed[1]
+        raise TierstoreError(f"save_checkpoint failed on {who} ({message}); {fate}")
+    cause = advice(code)
+    err = TierstoreIOError(code, f"save_checkpoint failed on {who} writing {path} ({message}); {fate}; "
+                                 f"{cause + ', then' if cause else 'fix that, then'} call save_checkpoint again", path)
+    if mine:
+        raise err from failed[1]
+    raise err
 
 
 def _jsonable(groups: list[dict]) -> list[dict]:
