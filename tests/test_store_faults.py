@@ -399,3 +399,28 @@ def test_truncated_extent_file_is_corruption_naming_the_tensor(tmp_path, n):
             s.get_many(["first", "cut"])
     finally:
         s.close(flush=False)
+
+
+@pytest.mark.parametrize("codec", [None, "zlib"])
+def test_failed_replacement_reverts_to_the_flushed_tensor_whole(tmp_path, codec):
+    """A put() replacing a flushed tensor with one of another dtype and shape (or codec), whose write then
+    fails with an error no reservation foresees (EIO): the name is back at the flushed tensor -- its bytes
+    with its own shape, dtype and codec, never the old bytes read as the new dtype."""
+    import numcodecs
+
+    d = str(tmp_path / "s")
+    s = Store(d, **opts(host_budget=0))
+    old = torch.arange(300, dtype=torch.float32)
+    s.put("x", old, "nvme")
+    s.flush()
+    s.put("x", torch.full((7, 50), 7, dtype=torch.int32), "nvme",
+          codec=numcodecs.Zlib() if codec else None)
+    s._engine.inject_fault(1, "eio")
+    with pytest.raises(TierstoreIOError, match="last flushed value"):
+        s.flush()
+    got = s.get("x")
+    assert got.dtype == torch.float32 and torch.equal(got, old)
+    assert not s.tensor("x").dirty
+    s.put("y", old, "nvme")  # the store goes on working
+    s.close()
+    assert torch.equal(reopen_values(d, ["x"])["x"], old)

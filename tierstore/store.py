@@ -296,9 +296,15 @@ class Store:
         t._remove("nvme")
         if t._memory_copy() is not None:
             return "kept"
-        if t._committed is not None and t._committed is not ext:
-            self._nvme.unfree(t._committed)
-            t._copies["nvme"] = t._committed
+        committed = t._committed
+        if committed is not None and committed is not ext:
+            self._nvme.unfree(committed)
+            if t._committed_meta is not None:  # the flushed bytes are of another shape/dtype/codec: restore
+                shape, dtype, codec = t._committed_meta  # the tensor they belong to, not t's metadata over them
+                t._deleted = True
+                t = self._tensors[t.name] = TieredTensor(self, t.name, shape, dtype, codec)
+                t._committed = committed
+            t._copies["nvme"] = committed
             self._lru["nvme"][t] = None
             t._version += 1
             log.error("tensor %r: writing its new value failed (%s); it is back at its last flushed value",
@@ -381,6 +387,10 @@ class Store:
             old = self._tensors.get(name)
             if old is not None:
                 t._committed = old._committed
+                if old._committed is not None:
+                    meta = old._committed_meta or (old.shape, old.dtype, old.codec)
+                    if (meta[0], meta[1], codec_config(meta[2])) != (t.shape, t.dtype, codec_config(t.codec)):
+                        t._committed_meta = meta
                 self._discard(old)
             self._tensors[name] = t
             return t
@@ -568,6 +578,7 @@ class Store:
                 with self._lock:
                     for t, e in snapshot:
                         t._committed = e
+                        t._committed_meta = None
                 try:
                     fsync_dir(self.paths[0])
                 except OSError as e:

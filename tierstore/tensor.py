@@ -134,6 +134,9 @@ class TieredTensor:
         self.codec = codec if codec is not None else IDENTITY
         self._copies: dict[str, Any] = {}
         self._committed: Extent | None = None  # the version the last durable manifest names
+        # shape, dtype and codec of the bytes at _committed when they are not this handle's own (a put() that
+        # replaced a flushed tensor of another shape, dtype or codec): a revert to them restores those too
+        self._committed_meta: tuple | None = None
         self._pins = 0  # resident() blocks and moves in progress: not evictable while > 0
         self._version = 0
         self._deleted = False

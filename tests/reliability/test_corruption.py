@@ -74,9 +74,7 @@ def pristine_store(tmp_path_factory):
     return d, want
 
 
-KINDS = ["flip", "zero page", pytest.param("truncate", marks=pytest.mark.xfail(
-    strict=True, reason="NEW: a truncated extent file reads as TierstoreIOError(EIO, 'read past end of file'), "
-    "not a CorruptionError saying the store's files are damaged"))]
+KINDS = ["flip", "zero page", "truncate"]
 
 
 @pytest.mark.parametrize("how", KINDS)

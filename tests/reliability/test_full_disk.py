@@ -122,14 +122,12 @@ def fill_until_full(fs, tmp_path, rng, host_budget: int, tiers: list, campaign: 
 
 
 @pytest.mark.parametrize("host_budget,tiers", [
-    # nothing held in memory: put/update return, the write fails, flush() says "call flush() again", and the
-    # value is already gone (reverted or removed)
-    pytest.param(0, [None, "nvme"], marks=pytest.mark.xfail(strict=True, reason="issue 11 item 3"), id="host0"),
+    # nothing held in memory: a put/update the disk has no room for fails at the call (issue 11 item 3)
+    pytest.param(0, [None, "nvme"], id="host0"),
     # every value also held in host memory: the retried flush() writes it
     pytest.param(32 << 20, [None], id="host32MiB-held"),
     # put(tier="nvme") with a host budget: as host0
-    pytest.param(32 << 20, ["nvme"], marks=pytest.mark.xfail(strict=True, reason="issue 11 item 3"),
-                 id="host32MiB-nvme")])
+    pytest.param(32 << 20, ["nvme"], id="host32MiB-nvme")])
 def test_full_disk(tmp_path, small_ext4, host_budget, tiers):
     campaign = f"full disk (host_budget {host_budget >> 20} MiB, tier {'/'.join(map(str, tiers))})"
     for seed in seeds(campaign, trials(1, 25)):
@@ -139,9 +137,6 @@ def test_full_disk(tmp_path, small_ext4, host_budget, tiers):
             fill_until_full(small_ext4, tmp_path, rng, host_budget, tiers, campaign, errors_wanted=3 if SOAK else 2)
 
 
-@pytest.mark.xfail(strict=True, reason="NEW: a put() replacing a flushed tensor with another dtype/shape/codec, "
-                   "whose write fails, reverts to the old extent under the new metadata: old bytes read as the "
-                   "new dtype, silently wrong")
 def test_failed_replacement_never_reads_the_old_bytes_as_the_new_dtype(small_ext4):
     d, ballast = os.path.join(small_ext4.mnt, "store"), os.path.join(small_ext4.mnt, "ballast")
     old, new = torch.arange(300_000, dtype=torch.float32), torch.full((300_000,), 7, dtype=torch.int32)  # same bytes
