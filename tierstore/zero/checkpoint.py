@@ -97,6 +97,7 @@ import torch
 from ..errors import CorruptionError, TierstoreValueError
 from ..io.files import fsync_dir
 from ..partition import Plan, reshard_copies
+from ..store import STORED_DTYPES
 from ..tiers.nvme import crc_at, memory_at
 from . import _dist
 from ._layout import fp32_twin
@@ -113,11 +114,7 @@ _LATEST_MAX = 256  # bytes: a checkpoint name is ~26
 _NAME = re.compile(r"ckpt-[0-9]+-[0-9a-f]+")
 _AUX_TAGS = ("tuple", "dict", "float", "tensor")
 _AUX_DEPTH = 64  # nesting levels of aux state
-_RECORD_DTYPES: dict[str, torch.dtype] = {
-    n: getattr(torch, n) for n in (
-        "float64", "float32", "float16", "bfloat16", "complex64", "complex128", "int64", "int32", "int16", "int8",
-        "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-        "float8_e5m2fnuz") if isinstance(getattr(torch, n, None), torch.dtype)}
+_RECORD_DTYPES = STORED_DTYPES  # dtypes a record may hold
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -388,7 +385,7 @@ def _check_body(body: dict, path: str) -> None:
            and all(isinstance(g, dict) for g in groups), path, "param_groups",
            f"not one dict per parameter group ({len(src) - 1})")
     _check(isinstance(body.get("optimizer"), str), path, "optimizer", "not a string")
-    _check(isinstance(_RECORD_DTYPES.get(body.get("compute_dtype")), torch.dtype)
+    _check(isinstance(_RECORD_DTYPES.get(str(body.get("compute_dtype"))), torch.dtype)
            and _RECORD_DTYPES[body["compute_dtype"]].is_floating_point, path, "compute_dtype",
            f"{body.get('compute_dtype')!r} is not a floating dtype")
     steps = body.get("steps")
@@ -532,7 +529,7 @@ class _RecordFile:
             _check(isinstance(r, dict), p, f, "not a record")
             dt, shape = r.get("dtype"), r.get("shape")
             pickled = version == 2 and dt == "bytes" and name.endswith(".aux")  # refused by aux_of
-            _check(dt in _RECORD_DTYPES or pickled, p, f"{f}.dtype", f"{dt!r} is not a dtype records hold")
+            _check(isinstance(dt, str) and dt in _RECORD_DTYPES or pickled, p, f"{f}.dtype", f"{dt!r} is not a dtype records hold")
             _check(isinstance(shape, list) and len(shape) <= 64 and all(_is_int(s) and s >= 0 for s in shape), p,
                    f"{f}.shape", f"{str(shape)[:80]} is not a shape")
             off, nb, crc = r.get("offset"), r.get("nbytes"), r.get("crc32c")
