@@ -104,8 +104,10 @@ def read_manifest(directory: str) -> dict | None:
     except (ValueError, RecursionError) as e:
         raise CorruptionError(f"the manifest {path} is not valid ({e}); restore it from a backup", path) from None
     body = doc.get("body") if isinstance(doc, dict) else None
-    if not isinstance(body, dict) or doc.get("format") != FORMAT or type(doc.get("crc32c")) is not int \
-            or _manifest_crc(body) != doc["crc32c"]:
+    if not isinstance(body, dict) or doc.get("format") != FORMAT:
+        raise CorruptionError(f"the manifest {path} is not a {FORMAT!r} document (or its body is not a dict); "
+                              "restore it from a backup", path)
+    if type(doc.get("crc32c")) is not int or _manifest_crc(body) != doc["crc32c"]:
         raise CorruptionError(f"the manifest {path} fails its checksum; restore it from a backup", path)
     version = doc.get("version")
     if "version" in body and body["version"] != version:  # written under the checksum since it was added
