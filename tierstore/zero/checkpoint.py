@@ -529,7 +529,8 @@ class _RecordFile:
             _check(isinstance(r, dict), p, f, "not a record")
             dt, shape = r.get("dtype"), r.get("shape")
             pickled = version == 2 and dt == "bytes" and name.endswith(".aux")  # refused by aux_of
-            _check(isinstance(dt, str) and dt in _RECORD_DTYPES or pickled, p, f"{f}.dtype", f"{dt!r} is not a dtype records hold")
+            _check(isinstance(dt, str) and dt in _RECORD_DTYPES or pickled, p, f"{f}.dtype",
+                   f"{dt!r} is not a dtype records hold")
             _check(isinstance(shape, list) and len(shape) <= 64 and all(_is_int(s) and s >= 0 for s in shape), p,
                    f"{f}.shape", f"{str(shape)[:80]} is not a shape")
             off, nb, crc = r.get("offset"), r.get("nbytes"), r.get("crc32c")
