@@ -269,68 +269,23 @@ def test_damaged_record_index_or_size_is_reported_with_file_and_offset(tmp_path)
     opt.close()
 
 
-def _save_version_1(opt, directory) -> None:
-    """A checkpoint as tierstore wrote it before the record format (version 1: torch.save'd dicts)."""
-    import io
-    import json
-
-    import crc32c
-
-    from tierstore.zero import checkpoint as ckpt
-    sub = os.path.join(directory, f"ckpt-{opt.steps:08d}-v1")
-    os.makedirs(sub)
-
-    def dump(obj, name):
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        open(os.path.join(sub, name), "wb").write(buf.getvalue())
-        return {"nbytes": len(buf.getvalue()), "crc32c": crc32c.crc32c(buf.getvalue())}
-    shards = {gid: opt._export_subgroup(gid) for gid in opt.layout.trainable_gids()}
-    files = {"rank00000.pt": dump(shards, "rank00000.pt"),
-             "buffers.pt": dump({n: b.detach().clone() for n, b in opt.model.named_buffers()}, "buffers.pt")}
-    body = {"world_size": 1, "layout": opt.layout.to_dict(), "param_groups": ckpt._jsonable(opt._hyperparams()),
-            "optimizer": "torch.optim.adamw.AdamW", "compute_dtype": "float32", "steps": opt.steps,
-            "scaler": opt._scaler.state_dict(), "aliases": opt._aliases, "files": files}
-    doc = {"format": ckpt.FORMAT, "version": 1, "crc32c": ckpt._body_crc(body), "body": body}
-    open(os.path.join(sub, "meta.json"), "w").write(json.dumps(doc))
-    open(os.path.join(directory, "latest"), "w").write(os.path.basename(sub))
-
-
-def test_version_1_checkpoints_still_load_and_unknown_versions_are_refused(tmp_path):
+def test_unknown_versions_are_refused_naming_them(tmp_path):
+    """Version 1 (pickles) is refused too: see tests/test_ckpt_security.py."""
     import json
 
     from tierstore.zero import checkpoint as ckpt
-    data = batches(8)
     _, m = make_pair()
-    m.register_buffer("seen", torch.arange(5.0))
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path / "a", "host", "nvme", "host"))
-    train(m, opt, data[:4])
-    _save_version_1(opt, tmp_path / "v1")
-    saved = opt.full_state_dict()
-    train(m, opt, data[4:])
-    want = opt.full_state_dict()
+    train(m, opt, batches(2))
+    sub = opt.save_checkpoint(tmp_path / "ck")
     opt.close()
-    full = consolidate(tmp_path / "v1")
-    assert all(torch.equal(full[k], saved[k]) for k in saved) and torch.equal(full["seen"], torch.arange(5.0))
-    _, m2 = make_pair(seed=3)
-    m2.register_buffer("seen", torch.zeros(5))
-    opt2 = Zero3Optimizer(m2, torch.optim.AdamW, lr=1.0, config=cfg(tmp_path / "b", "device", "host", "nvme"))
-    opt2.load_checkpoint(tmp_path / "v1")
-    train(m2, opt2, data[4:])
-    got = opt2.full_state_dict()
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    # the same run saved in the current format round-trips the buffer too
-    opt2.save_checkpoint(tmp_path / "v2")
-    assert torch.equal(consolidate(tmp_path / "v2")["seen"], torch.arange(5.0))
-    opt2.close()
-    # a version this tierstore does not know: refused, naming it
-    sub = os.path.join(tmp_path / "v1", open(tmp_path / "v1" / "latest").read())
     doc = json.load(open(os.path.join(sub, "meta.json")))
-    doc["version"] = 7
+    doc["version"] = doc["body"]["version"] = 7
+    doc["crc32c"] = ckpt._body_crc(doc["body"])
     open(os.path.join(sub, "meta.json"), "w").write(json.dumps(doc))
-    with pytest.raises(TierstoreValueError, match="format version 7; this tierstore reads versions 1, 2"):
-        consolidate(tmp_path / "v1")
-    assert ckpt.VERSION == 2
+    with pytest.raises(TierstoreValueError, match="format version 7; this tierstore reads versions 2, 3"):
+        consolidate(tmp_path / "ck")
+    assert ckpt.VERSION == 3
 
 
 def _measure_save_load(root: str, out: str) -> None:

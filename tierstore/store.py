@@ -27,6 +27,16 @@ flushed, and the error names it without advising a retry. After the rename, a fa
 leaves it unknown which manifest a crash would leave: both are kept intact -- the new extents stay
 protected and the previous ones pending free -- until a later flush succeeds.
 
+[Note: the manifest is untrusted input]
+The crc32c catches damage, not a manifest someone wrote on purpose (they compute it too). So `Store.open`
+checks every field before it creates, allocates or reads anything: types and ranges, shape x dtype itemsize
+== nbytes (== the extent's length for raw bytes), a known dtype, a codec that decodes to numbers (numcodecs'
+pickle and object codecs are refused: decoding them would unpickle or build Python objects), 4 KiB-aligned
+extents of align_up(length) bytes inside extent files that exist in every directory and within each part
+file's size, no two extents overlapping, and ndirs / stripe_unit as opened. A malformed manifest is a
+CorruptionError naming the file and the field. The version is also written inside the checksummed body
+(manifests from before that keep it outside only, and still open).
+
 [Note: budgets and spill]
 `put(tier=None)` places a tensor on the fastest tier whose budget can hold it at all, making room by
 spilling that tier's least recently used tensors one tier down (a tensor that already has a copy lower
@@ -46,6 +56,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -63,6 +74,7 @@ from .io import BufferPool, Engine
 from .tensor import (IDENTITY, TieredTensor, codec_config, codec_from_config, dtype_from_name, dtype_name,
                      out_bytes, to_numpy)
 from .tiers import TIERS, DeviceTier, Extent, HostTier, NvmeTier, profile_range, tier_index
+from .tiers.nvme import EXTENT_FILE
 from .tiers.device import to_dlpack_tensor
 from .tiers.host import result_empty
 from .io.files import fsync_dir
@@ -74,14 +86,26 @@ MANIFEST = "manifest.json"
 LOCKFILE = "tierstore.lock"
 FORMAT = "tierstore-manifest"
 VERSION = 1
+STORED_DTYPES: dict[str, torch.dtype] = {  # dtypes a manifest (and a checkpoint record) may name
+    n: getattr(torch, n) for n in (
+        "float64", "float32", "float16", "bfloat16", "complex64", "complex128", "int64", "int32", "int16", "int8",
+        "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+        "float8_e5m2fnuz") if isinstance(getattr(torch, n, None), torch.dtype)}
+OBJECT_CODECS = ("pickle", "json2", "msgpack2", "vlen-utf8", "vlen-bytes", "vlen-array")  # numcodecs ids
 
 
 def _manifest_crc(body: dict) -> int:
     return crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
+def _corrupt(path: str, field: str, what: str) -> CorruptionError:
+    return CorruptionError(f"the manifest {path}: field {field}: {what}; it is damaged or was not written by "
+                           "tierstore: restore it from a backup", path)
+
+
 def read_manifest(directory: str) -> dict | None:
-    """The manifest body in `directory`, None when there is none. CorruptionError when unreadable."""
+    """The manifest body in `directory`, None when there is none. CorruptionError when unreadable; the fields
+    are checked by Store._load ([Note: the manifest is untrusted input])."""
     path = os.path.join(directory, MANIFEST)
     try:
         with open(path, "rb") as f:
@@ -90,14 +114,21 @@ def read_manifest(directory: str) -> dict | None:
         return None
     try:
         doc = json.loads(raw)
-        body = doc["body"]
-        ok = doc.get("format") == FORMAT and _manifest_crc(body) == doc["crc32c"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, RecursionError) as e:
         raise CorruptionError(f"the manifest {path} is not valid ({e}); restore it from a backup", path) from None
-    if not ok:
+    body = doc.get("body") if isinstance(doc, dict) else None
+    if not isinstance(body, dict) or doc.get("format") != FORMAT:
+        raise CorruptionError(f"the manifest {path} is not a {FORMAT!r} document (or its body is not a dict); "
+                              "restore it from a backup", path)
+    if type(doc.get("crc32c")) is not int or _manifest_crc(body) != doc["crc32c"]:
         raise CorruptionError(f"the manifest {path} fails its checksum; restore it from a backup", path)
-    if doc.get("version", 0) > VERSION:
-        raise TierstoreValueError(f"{path} has format version {doc['version']}; this tierstore reads "
+    version = doc.get("version")
+    if "version" in body and body["version"] != version:  # written under the checksum since it was added
+        raise _corrupt(path, "version", f"{version!r} outside the checksummed body, {body['version']!r} inside")
+    if type(version) is not int or version < 1:
+        raise _corrupt(path, "version", f"{version!r} is not a version")
+    if version > VERSION:
+        raise TierstoreValueError(f"{path} has format version {version}; this tierstore reads "
                                   f"<= {VERSION}: upgrade tierstore")
     return body
 
@@ -190,24 +221,71 @@ class Store:
         return self._read_only
 
     def _load(self, body: dict | None) -> None:
+        """Adopt the tensors of a manifest body, every field checked against the extent files on disk first
+        ([Note: the manifest is untrusted input])."""
         if body is None:
             return
         where = os.path.join(self.paths[0], MANIFEST)
+        for f in ("generation", "ndirs", "stripe_unit"):
+            if type(body.get(f)) is not int or body[f] < (0 if f == "generation" else 1):
+                raise _corrupt(where, f, f"{body.get(f)!r} is not a positive integer")
         if body["ndirs"] != len(self.paths) or body["stripe_unit"] != self._nvme.stripe_unit:
             raise TierstoreValueError(
                 f"{where} describes a store striped over {body['ndirs']} directories with stripe_unit="
                 f"{body['stripe_unit']}; open it with the same directories in the same order and that stripe_unit")
+        files = body.get("extent_files")
+        if not isinstance(files, list) or files != [EXTENT_FILE.format(k) for k in range(len(files))]:
+            raise _corrupt(where, "extent_files", "not the list extents-0000.bin, extents-0001.bin ...")
+        tensors = body.get("tensors")
+        if not isinstance(tensors, dict):
+            raise _corrupt(where, "tensors", "not a map of names to tensors")
+        parsed = []
+        for name, d in tensors.items():
+            field = f"tensors[{name!r}]"
+            if not name or not isinstance(d, dict):
+                raise _corrupt(where, field, "not a named tensor")
+            shape, dt = d.get("shape"), STORED_DTYPES.get(str(d.get("dtype")))
+            if not isinstance(shape, list) or len(shape) > 64 or not all(type(n) is int and 0 <= n < 1 << 62
+                                                                         for n in shape):
+                raise _corrupt(where, f"{field}.shape", f"{str(shape)[:80]} is not a shape")
+            if dt is None:
+                raise _corrupt(where, f"{field}.dtype", f"{str(d.get('dtype'))[:40]!r} is not a dtype the store holds")
+            nbytes = math.prod(shape) * dt.itemsize  # bytes
+            if d.get("nbytes") != nbytes or type(d["nbytes"]) is not int:
+                raise _corrupt(where, f"{field}.nbytes", f"{d.get('nbytes')!r} is not {shape} x {dt.itemsize} bytes")
+            codec = self._manifest_codec(d.get("codec"), where, f"{field}.codec")
+            ext = Extent.from_json(d.get("extent"), where, f"{field}.extent")
+            if codec is IDENTITY and ext.length != nbytes:
+                raise _corrupt(where, f"{field}.extent.length", f"{ext.length} bytes hold {nbytes} raw bytes")
+            parsed.append((name, shape, dt, codec, ext))
+        self._nvme.check_extents([(f"tensors[{n!r}].extent", e) for n, *_r, e in parsed], where)
         self._generation = body["generation"]
-        extents = []
-        for name, d in body["tensors"].items():
-            t = TieredTensor(self, name, d["shape"], dtype_from_name(d["dtype"]), codec_from_config(d.get("codec")))
-            ext = Extent.from_json(d["extent"])
+        for name, shape, dt, codec, ext in parsed:
+            t = TieredTensor(self, name, shape, dt, codec)
             t._copies["nvme"] = ext
             t._committed = ext
             self._lru["nvme"][t] = None
             self._tensors[name] = t
-            extents.append(ext)
-        self._nvme.adopt(extents)
+        self._nvme.adopt([e for *_r, e in parsed])
+
+    @staticmethod
+    def _manifest_codec(config, where: str, field: str):
+        """The codec a manifest entry names; codecs that decode to Python objects (numcodecs' pickle codec
+        unpickles) are refused."""
+        if config is None:
+            return IDENTITY
+        if not isinstance(config, dict) or not isinstance(config.get("id"), str):
+            raise _corrupt(where, field, f"{str(config)[:80]} is not a codec configuration")
+        if config["id"] in OBJECT_CODECS:
+            raise _corrupt(where, field, f"codec {config['id']!r} decodes to Python objects (or unpickles); a "
+                           "store never uses it")
+        try:
+            return codec_from_config(config)
+        except (ValueError, TypeError, KeyError) as e:
+            if "not available" in str(e) or "codec not" in str(e):
+                raise TierstoreValueError(f"{where}: {field} names codec {config['id']!r}, which is not "
+                                          f"registered: import the package that provides it first") from None
+            raise _corrupt(where, field, f"{type(e).__name__}: {e}") from None
 
     # -- helpers used by TieredTensor -----------------------------------------------------------------
     def _check_open(self) -> None:
@@ -610,6 +688,7 @@ class Store:
                                                   "extent": e.to_json()})
             tensors[t.name] = cached[1]
         body = {
+            "version": VERSION,  # under the checksum (manifests before it have the version outside only)
             "generation": self._generation + 1, "ndirs": len(self.paths), "stripe_unit": self._nvme.stripe_unit,
             "extent_files": [f"extents-{k:04d}.bin" for k in range(len(self._nvme.files))],
             "tensors": tensors,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 import torch
 
-from .errors import MisuseError, TierstoreIOError, TierstoreValueError, prefixed
+from .errors import CorruptionError, MisuseError, TierstoreIOError, TierstoreValueError, prefixed
 from .tiers import TIERS, Extent, profile_range, tier_index
 from .tiers.host import result_empty
 
@@ -199,8 +199,13 @@ class TieredTensor:
             return torch.empty(self.shape, dtype=self.dtype)
         if self.codec is IDENTITY:
             return data.view(self.dtype).view(self.shape)
-        dec = self.codec.decode(data.numpy().tobytes())
-        raw = np.ascontiguousarray(np.asarray(dec)).reshape(-1).view(np.uint8)
+        try:  # the bytes passed their crc32c: a codec that cannot decode them is not the one that wrote them
+            dec = self.codec.decode(data.numpy().tobytes())
+            raw = np.ascontiguousarray(np.asarray(dec)).reshape(-1).view(np.uint8)
+        except Exception as e:
+            raise CorruptionError(f"codec {self.codec!r} cannot decode the stored bytes of {self.name!r} "
+                                  f"({type(e).__name__}: {e}); the manifest names another codec than the one "
+                                  "that wrote them: restore it from a backup") from None
         if raw.nbytes != self.nbytes:
             raise TierstoreValueError(f"codec {self.codec!r} decoded {raw.nbytes} bytes for {self.name!r}; "
                                       f"expected {self.nbytes}")

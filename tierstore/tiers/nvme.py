@@ -116,8 +116,20 @@ class Extent:
                 "crc32c": self.crc}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Extent":
-        e = cls(int(d["file"]), int(d["offset"]), int(d["length"]), int(d["alloc"]), int(d["crc32c"]))
+    def from_json(cls, d, path: str | None = None, field: str = "extent") -> "Extent":
+        """The extent a manifest entry describes, its fields checked (types, ranges, alignment; whether it lies
+        inside the extent files is NvmeTier.check_extents'). CorruptionError names `path` and `field`."""
+        def bad(what: str) -> CorruptionError:
+            return CorruptionError(f"the manifest {path}: field {field}: {what}; it is damaged or was not written "
+                                   "by tierstore: restore it from a backup", path)
+        keys = ("file", "offset", "length", "alloc", "crc32c")
+        if not isinstance(d, dict) or not all(type(d.get(k)) is int and d[k] >= 0 for k in keys):
+            raise bad(f"{str(d)[:120]} is not {{{', '.join(keys)}}} of non-negative integers")
+        e = cls(d["file"], d["offset"], d["length"], d["alloc"], d["crc32c"])
+        if e.crc >= 1 << 32:
+            raise bad(f"crc32c {e.crc} is not 32 bits")
+        if e.offset % ALIGN or e.alloc != align_up(e.length) or (e.length == 0 and (e.file or e.offset or e.crc)):
+            raise bad(f"{e!r} is not a {ALIGN}-byte aligned extent of align_up(length) bytes")
         e.committed = True
         return e
 
@@ -240,8 +252,10 @@ class NvmeTier:
 
     # -- files ------------------------------------------------------------------------------------
     def _open_existing(self) -> None:
+        """Open the extent files present in every directory (creating nothing: a manifest naming a file
+        beyond them is refused by check_extents)."""
         k = 0
-        while os.path.exists(os.path.join(self.dirs[0], EXTENT_FILE.format(k))):
+        while all(os.path.exists(os.path.join(d, EXTENT_FILE.format(k))) for d in self.dirs):
             self._file(k)
             k += 1
 
@@ -406,12 +420,39 @@ class NvmeTier:
                 e.freed = False
                 self.free(e)
 
+    def check_extents(self, extents: list[tuple[str, Extent]], path: str) -> None:
+        """Before adopt(): every (field, extent) a manifest at `path` names lies inside an extent file that
+        exists, within the size of each part file it touches, and no two overlap. CorruptionError names the
+        field. Creates, reads and allocates nothing."""
+        sizes: dict[int, list[int]] = {}  # extent file -> size of each part, bytes
+        spans = []
+        for field, e in extents:
+            if not e.alloc:
+                continue
+            if e.file >= len(self.files):
+                raise CorruptionError(
+                    f"the manifest {path}: field {field}.file: extent file {EXTENT_FILE.format(e.file)} does not "
+                    f"exist in every directory (this store has {len(self.files)}); restore the store's files or "
+                    "the manifest from a backup", path)
+            sf = self.files[e.file]
+            if e.file not in sizes:
+                sizes[e.file] = [p.size() for p in sf.parts]
+            for k, need in _part_needs(sf, e.offset, e.offset + e.alloc):
+                if sizes[e.file][k] < need:
+                    raise CorruptionError(
+                        f"the manifest {path}: field {field}: {e!r} ends past the {sizes[e.file][k]} bytes of "
+                        f"{sf.parts[k].path} (it needs {need}); the file was truncated or the manifest is "
+                        "damaged: restore them from a backup", sf.parts[k].path)
+            spans.append((e.file, e.offset, e.alloc, field))
+        spans.sort()
+        for (f, a, an, fa), (g, b, _bn, fb) in zip(spans, spans[1:]):
+            if f == g and a + an > b:
+                raise CorruptionError(f"the manifest {path}: field {fb}: its extent overlaps that of {fa}; "
+                                      "the manifest is damaged: restore it from a backup", path)
+
     def adopt(self, extents: list[Extent]) -> None:
-        """Reopen: the manifest's extents are the only used space."""
+        """Reopen: the manifest's extents (checked by check_extents) are the only used space."""
         with self._lock:
-            for e in extents:
-                if e.alloc:
-                    self._file(e.file)
             self.alloc.rebuild([(e.file, e.offset, e.alloc) for e in extents])
             self.budget.used = sum(e.alloc for e in extents)
 
@@ -881,3 +922,15 @@ def _part_ranges(sf: StripedFile, start: int, stop: int):
         if hi > lo:
             yield part, lo * su, hi * su
 
+
+def _part_needs(sf: StripedFile, start: int, stop: int):
+    """(part index, physical size that part must have) for logical bytes [start, stop) of striped file `sf`,
+    in O(parts) whatever the length."""
+    su, n = sf.stripe_unit, len(sf.parts)
+    first, last = start // su, (stop - 1) // su  # stripes holding the first and last byte
+    for k in range(n):
+        top = last - (last - k) % n if last >= k else -1  # the last stripe on part k at or before `last`
+        if top < first or top < 0:
+            continue
+        end = stop - top * su if top == last else su  # bytes of that stripe in the range's span
+        yield k, (top // n) * su + end

@@ -10,22 +10,24 @@ Layout of a checkpoint directory:
     <dir>/ckpt-00000020-<nonce>/buffers.bin   the model's buffers (rank 0; records)
 
 [Note: checkpoint record files]
-A ``.bin`` file (version 2) is written front to back in one pass and read by random access:
+A ``.bin`` file (version 3; 2 differed only in its aux state) is written front to back in one pass and read
+by random access:
 
     offset 0      8 bytes   magic b"TSZCKPT2"
     offset 8      records   each tensor's raw bytes (little-endian, C order), back to back, no padding
     index_offset  index     UTF-8 JSON: {"format", "version", "byteorder": "little",
                             "records": {name: {"dtype", "shape", "offset", "nbytes", "crc32c"}},
-                            "aux": {gid: the sub-group's non-tensor optimizer state}}
+                            "aux": {gid: the sub-group's non-tensor optimizer state, tagged JSON}}
     end - 24      footer    little-endian u64 index_offset, u64 index_nbytes, u32 crc32c of the index, b"TSZI"
 
 Record names: ``<gid>.master``, ``<gid>.state.<key>`` (fp32, 8-bit states dequantised), ``<gid>.param``
-(frozen sub-groups, compute dtype); in buffers.bin the buffer names. meta.json holds every file's size and
-its index crc32c, so a file swapped in from another checkpoint, a truncated one or a damaged index is
-refused before any record is used; each record carries its own crc32c, checked when it is read (a
-CorruptionError names the file, the record, its offset and length). Every byte of a file belongs to the
-magic, a record, the index or the footer, so any damaged byte is detected by whichever read covers it. Any
-non-JSON aux value makes the sub-group's aux a torch.save'd record (``<gid>.aux``) instead.
+(frozen sub-groups, compute dtype), ``<gid>.aux.<k>`` (the k-th tensor inside the aux state); in buffers.bin
+the buffer names. meta.json (``{"format", "version", "crc32c", "body"}``; the crc32c covers the body, which
+from version 3 holds the version too) lists every file's size and its index crc32c, so a file swapped in
+from another checkpoint, a truncated one or a damaged index is refused before any record is used; each
+record carries its own crc32c, checked when it is read (a CorruptionError names the file, the record, its
+offset and length). Every byte of a file belongs to the magic, a record, the index or the footer, so any
+damaged byte is detected by whichever read covers it.
 Writes are plain buffered ``os.write`` calls of each tensor's memory (no copy into a bytes object), one
 fsync per file at the end: records come from ``store.get`` into ordinary memory at arbitrary sizes (a 0-d
 ``step``, small states), so the engine's O_DIRECT path would need them staged into aligned pinned buffers
@@ -62,15 +64,28 @@ resume; merged onto another layout, sources with different counts share that one
 when none of its sources was stepped (its first step creates them, as in a new run). Tiers are whatever
 the loading optimizer's config says.
 
-Version 1 checkpoints (one torch.save'd dict per rank, ``rank00000.pt``) still load, whole file at a time;
-any other version is refused with its number.
+[Note: checkpoints are untrusted input]
+A checkpoint directory may come from anywhere (a shared filesystem, a download), and a crc32c protects
+against damage, not against whoever wrote the file: they compute it too. So nothing in a checkpoint is
+executed or unpickled, and every field is checked before it is used to open, allocate or index anything:
+`latest` must be a plain name in the directory (``ckpt-<steps>-<hex>``), meta.json's fields their types and
+ranges, each record's place inside its file before the index, no two records overlapping, nbytes equal to
+prod(shape) x itemsize of a known dtype, and the records a load uses of the size the layout says. A
+malformed file is a CorruptionError naming the file and the field. The optimizer's non-tensor state (the
+"aux" of a sub-group) is written in tagged JSON (see _encode_aux); types it cannot hold are refused when
+the checkpoint is saved. Version 1 (torch.save'd dicts) and the pickled ``<gid>.aux`` records version 2
+wrote for non-JSON state are refused, not read with torch.load(weights_only=True): that restricted unpickler
+is still a parser of attacker-chosen opcodes, has had bypasses, and would be a second format to keep safe
+for files a re-save converts.
+Version 2 checkpoints without ``<gid>.aux`` records load (their aux state is plain JSON); any other version
+is refused with its number.
 """
 from __future__ import annotations
 
-import errno
-import io
 import json
+import math
 import os
+import re
 import shutil
 import struct
 import sys
@@ -82,18 +97,24 @@ import torch
 from ..errors import CorruptionError, TierstoreError, TierstoreIOError, TierstoreValueError, advice
 from ..io.files import fsync_dir
 from ..partition import Plan, reshard_copies
+from ..store import STORED_DTYPES
 from ..tiers.nvme import crc_at, memory_at
 from . import _dist
 from ._layout import fp32_twin
 
 FORMAT = "tierstore.zero.checkpoint"
-VERSION = 2
-READABLE = (1, 2)  # versions load_checkpoint / consolidate read
+VERSION = 3
+READABLE = (2, 3)  # versions load_checkpoint / consolidate read (2: aux state as plain JSON, no pickled records)
 LATEST = "latest"
 FILE_FORMAT = "tierstore.zero.checkpoint.records"
 MAGIC = b"TSZCKPT2"
 FOOTER = struct.Struct("<QQI4s")  # index_offset, index_nbytes, index crc32c, b"TSZI"
 FOOTER_MAGIC = b"TSZI"
+_LATEST_MAX = 256  # bytes: a checkpoint name is ~26
+_NAME = re.compile(r"ckpt-[0-9]+-[0-9a-f]+")
+_AUX_TAGS = ("tuple", "dict", "float", "tensor")
+_AUX_DEPTH = 64  # nesting levels of aux state
+_RECORD_DTYPES = STORED_DTYPES  # dtypes a record may hold
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -112,6 +133,14 @@ def _body_crc(body: dict) -> int:
 
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
+
+
+def _record_dtype_name(dt: torch.dtype) -> str:
+    name = _dtype_name(dt)
+    if _RECORD_DTYPES.get(name) != dt:
+        raise TierstoreValueError(f"a checkpoint record cannot hold dtype {dt}; it holds "
+                                  f"{', '.join(_RECORD_DTYPES)}")
+    return name
 
 
 class _RecordWriter:
@@ -141,26 +170,22 @@ class _RecordWriter:
         t = t.contiguous()
         nbytes = t.numel() * t.element_size()
         mv = memory_at(t.data_ptr(), nbytes) if nbytes else memoryview(b"")
-        self.records[name] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": self.at,
+        self.records[name] = {"dtype": _record_dtype_name(t.dtype), "shape": list(t.shape), "offset": self.at,
                               "nbytes": nbytes, "crc32c": crc_at(t.data_ptr(), nbytes)}
         self._write(mv)
         del mv, t
 
-    def blob(self, name: str, data: bytes) -> None:
-        self.records[name] = {"dtype": "bytes", "shape": [len(data)], "offset": self.at, "nbytes": len(data),
-                              "crc32c": crc32c.crc32c(data)}
-        self._write(memoryview(data))
-
     def set_aux(self, gid: int, aux: dict) -> None:
+        """Sub-group `gid`'s non-tensor optimizer state, in tagged JSON (tensors in it as records
+        ``<gid>.aux.<k>``); TierstoreValueError, before anything of it is written, for a type it cannot hold.
+        See [Note: checkpoints are untrusted input]."""
         if not aux:
             return
-        try:
-            json.dumps(aux)
-            self.aux[str(gid)] = aux
-        except (TypeError, ValueError):
-            buf = io.BytesIO()
-            torch.save(aux, buf)
-            self.blob(f"{gid}.aux", buf.getvalue())
+        tensors: list[torch.Tensor] = []
+        enc = _encode_aux(dict(aux), tensors, f"of sub-group {gid}")
+        for k, t in enumerate(tensors):
+            self.tensor(f"{gid}.aux.{k}", t)
+        self.aux[str(gid)] = enc
 
     def finish(self) -> tuple[int, int]:
         """Index, footer, fsync, rename, fsync dir; returns (file size, index crc32c)."""
@@ -264,6 +289,7 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1) -> str:
                 "compute_dtype": str(opt.config.compute_dtype).removeprefix("torch."), "steps": opt.steps,
                 "scaler": opt._scaler.state_dict(), "aliases": opt._aliases,
                 "files": {f: {"nbytes": n, "index_crc32c": c} for f, n, c in files}}
+            body["version"] = VERSION  # under the crc32c (from version 3)
             doc = {"format": FORMAT, "version": VERSION, "crc32c": _body_crc(body), "body": body}
             where = os.path.join(sub, "meta.json")
             _write_atomic(where, json.dumps(doc, indent=1).encode())
@@ -345,46 +371,205 @@ def _jsonable(groups: list[dict]) -> list[dict]:
     return out
 
 
-def read_meta(directory: str | os.PathLike) -> tuple[str, dict]:
-    """(checkpoint subdirectory, meta body) of the latest checkpoint in `directory`, checked; the body's
-    "version" is the format version of its files."""
-    directory = os.path.abspath(os.fspath(directory))
+def _is_int(v) -> bool:
+    return type(v) is int  # bool is not a count, offset or size
+
+
+def _check(ok: bool, path: str, field: str, what: str) -> None:
+    if not ok:
+        raise CorruptionError(f"checkpoint file field {field}: {what}; the file is damaged or was not written "
+                              "by tierstore: load an older checkpoint", path)
+
+
+def _checkpoint_name(directory: str) -> str:
+    """The checkpoint `latest` names, checked to be a plain checkpoint name inside `directory`."""
+    if not os.path.isdir(directory):
+        if os.path.exists(directory):
+            raise TierstoreValueError(f"{directory} is a file, not a checkpoint directory: pass the directory "
+                                      f"given to save_checkpoint (it holds {LATEST!r} and the ckpt-* directories)")
+        raise TierstoreValueError(f"no checkpoint directory {directory}: pass the directory given to "
+                                  "save_checkpoint")
+    path = os.path.join(directory, LATEST)
     try:
-        with open(os.path.join(directory, LATEST), "rb") as f:
-            name = f.read().decode().strip()
+        with open(path, "rb") as f:
+            raw = f.read(_LATEST_MAX + 1)  # bytes
     except FileNotFoundError:
+        if os.path.exists(os.path.join(directory, "meta.json")):
+            raise TierstoreValueError(f"{directory} is one checkpoint's own directory; pass the directory that "
+                                      f"holds it and {LATEST!r}: {os.path.dirname(directory)}") from None
         raise TierstoreValueError(f"no checkpoint in {directory} (no {LATEST!r} file); write one with "
                                   f"opt.save_checkpoint({directory!r})") from None
+    except OSError as e:
+        raise CorruptionError(f"{LATEST!r} cannot be read ({e.strerror}); write the name of the newest complete "
+                              "ckpt-* directory into it", path) from None
+    try:
+        name = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        name = None
+    if name is None or len(raw) > _LATEST_MAX or not _NAME.fullmatch(name):
+        shown = raw[:60] if name is None else name[:60]
+        raise CorruptionError(f"{LATEST!r} holds {shown!r}, which is not the name of a checkpoint in this "
+                              f"directory (ckpt-<steps>-<hex>); write the name of the newest complete ckpt-* "
+                              f"directory into it", path)
+    return name
+
+
+def read_meta(directory: str | os.PathLike) -> tuple[str, dict]:
+    """(checkpoint subdirectory, meta body) of the latest checkpoint in `directory`, checked field by field
+    ([Note: checkpoints are untrusted input]); the body's "version" is the format version of its files."""
+    directory = os.path.abspath(os.fspath(directory))
+    name = _checkpoint_name(directory)
     sub = os.path.join(directory, name)
     path = os.path.join(sub, "meta.json")
     try:
         with open(path, "rb") as f:
             doc = json.loads(f.read())
-        body = doc["body"]
-        ok = doc.get("format") == FORMAT and doc.get("crc32c") == _body_crc(body)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except FileNotFoundError:
+        raise CorruptionError(f"{LATEST!r} names {name}, which has no meta.json; write the name of the newest "
+                              "complete ckpt-* directory into it", path) from None
+    except (OSError, ValueError, RecursionError) as e:
         raise CorruptionError(f"checkpoint metadata unreadable: {e}", path) from None
-    if not ok:
+    body = doc.get("body") if isinstance(doc, dict) else None
+    if not isinstance(body, dict) or doc.get("format") != FORMAT or not _is_int(doc.get("crc32c")) \
+            or doc["crc32c"] != _body_crc(body):
         raise CorruptionError("checkpoint metadata fails its crc32c (or is not a tierstore checkpoint)", path)
-    if doc.get("version") not in READABLE:
-        raise TierstoreValueError(f"{path} is checkpoint format version {doc.get('version')}; this tierstore "
-                                  f"reads versions {', '.join(map(str, READABLE))} (and writes {VERSION}): load it "
-                                  f"with the tierstore that wrote it")
-    return sub, {**body, "version": doc["version"]}
+    version = doc.get("version")
+    if "version" in body and body["version"] != version:  # from version 3 the version is under the crc32c
+        raise CorruptionError(f"checkpoint metadata says version {version!r} outside its checksummed body and "
+                              f"{body['version']!r} inside it", path)
+    if version == 1:
+        raise TierstoreValueError(
+            f"{path} is checkpoint format version 1 (torch.save pickles, which can run code when read); this "
+            f"tierstore does not read it. Convert a checkpoint you trust with the tierstore that wrote it: "
+            f"load_checkpoint, then save_checkpoint writes version {VERSION}")
+    if version not in READABLE:
+        raise TierstoreValueError(f"{path} is checkpoint format version {version}; this tierstore reads versions "
+                                  f"{', '.join(map(str, READABLE))} (and writes {VERSION}): load it with the "
+                                  f"tierstore that wrote it")
+    _check("version" in body or version == 2, path, "version", f"version {version} must be inside the body")
+    _check_body(body, path)
+    return sub, {**body, "version": version}
+
+
+def _check_body(body: dict, path: str) -> None:
+    """Every field of meta.json's body that a load or consolidate uses, before anything is read or made."""
+    world = body.get("world_size")
+    _check(_is_int(world) and world >= 1, path, "world_size", f"{world!r} is not a positive integer")
+    try:
+        src = _source_layout(body)
+    except (TierstoreValueError, KeyError, TypeError, AttributeError, ValueError) as e:
+        raise CorruptionError(f"checkpoint file field layout: {e}; the file is damaged: load an older checkpoint",
+                              path) from None
+    indices = [i for i, _p, _g in src]
+    _check(indices == list(range(len(src) - 1)) + [-1], path, "layout.groups",
+           f"group indices {indices} are not 0, 1, ... then -1 (the frozen parameters)")
+    _check(all(p.world_size == world for _i, p, _g in src), path, "layout", f"a plan is not for {world} ranks")
+    groups = body.get("param_groups")
+    _check(isinstance(groups, list) and len(groups) == len(src) - 1
+           and all(isinstance(g, dict) for g in groups), path, "param_groups",
+           f"not one dict per parameter group ({len(src) - 1})")
+    _check(isinstance(body.get("optimizer"), str), path, "optimizer", "not a string")
+    _check(isinstance(_RECORD_DTYPES.get(str(body.get("compute_dtype"))), torch.dtype)
+           and _RECORD_DTYPES[body["compute_dtype"]].is_floating_point, path, "compute_dtype",
+           f"{body.get('compute_dtype')!r} is not a floating dtype")
+    steps = body.get("steps")
+    _check(_is_int(steps) and steps >= 0, path, "steps", f"{steps!r} is not a count")
+    sc = body.get("scaler")
+    _check(isinstance(sc, dict) and type(sc.get("scale")) in (int, float) and _is_int(sc.get("good"))
+           and _is_int(sc.get("skipped")), path, "scaler", f"{sc!r} is not {{scale, good, skipped}}")
+    params = {n for _i, p, _g in src for n in p.params}
+    al = body.get("aliases")
+    _check(isinstance(al, dict) and all(isinstance(v, str) and v in params for v in al.values()), path,
+           "aliases", "not a map of names to parameters of the layout")
+    files = body.get("files")
+    want = {f"rank{r:05d}.bin" for r in range(world)} | {"buffers.bin"} if world <= 1 << 20 else set()
+    _check(isinstance(files, dict) and set(files) == want, path, "files",
+           f"does not list rank00000.bin ... rank{world - 1:05d}.bin and buffers.bin")
+    for f, w in files.items():
+        _check(isinstance(w, dict) and _is_int(w.get("nbytes")) and w["nbytes"] >= 0
+               and _is_int(w.get("index_crc32c")) and 0 <= w["index_crc32c"] < 1 << 32, path, f"files[{f!r}]",
+               f"{w!r} is not {{nbytes, index_crc32c}}")
+
+
+def _encode_aux(v, tensors: list, where: str, depth: int = 0):
+    """Non-tensor optimizer state as tagged JSON: None, bool, int, str and finite floats as themselves, lists
+    as arrays; {"tuple": [...]}, {"dict": [[key, value], ...]}, {"float": "nan" | "inf" | "-inf"}, and
+    {"tensor": k} for the k-th tensor (written as record ``<gid>.aux.<k>``). Any other type is refused."""
+    t = type(v)
+    if depth > _AUX_DEPTH:
+        raise TierstoreValueError(f"optimizer state {where} is nested more than {_AUX_DEPTH} levels deep; "
+                                  "checkpoints cannot store it")
+    if v is None or t in (bool, int, str):
+        return v
+    if t is float:
+        return v if math.isfinite(v) else {"float": repr(v)}
+    if t is torch.Tensor:
+        tensors.append(v)
+        return {"tensor": len(tensors) - 1}
+    if t is list:
+        return [_encode_aux(x, tensors, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+    if t is tuple:
+        return {"tuple": [_encode_aux(x, tensors, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]}
+    if t is dict:
+        out = []
+        for k, x in v.items():
+            if k is not None and type(k) not in (bool, int, float, str):
+                raise TierstoreValueError(f"optimizer state {where} has a key of type {type(k).__name__}; "
+                                          "checkpoints store keys that are None, bool, int, float or str")
+            out.append([_encode_aux(k, tensors, where, depth + 1), _encode_aux(x, tensors, f"{where}[{k!r}]",
+                                                                                depth + 1)])
+        return {"dict": out}
+    raise TierstoreValueError(
+        f"optimizer state {where} is a {t.__module__}.{t.__qualname__}; checkpoints store non-tensor state of "
+        "types None, bool, int, float, str, list, tuple, dict and torch.Tensor only (nothing is pickled, so "
+        "loading a checkpoint cannot run code): keep the optimizer's state in those types")
+
+
+def _decode_aux(j, tensor, path: str, where: str, depth: int = 0):
+    """The inverse of _encode_aux; tensor(k) reads the k-th tensor. CorruptionError on anything else."""
+    if depth > _AUX_DEPTH:
+        _check(False, path, where, f"nested more than {_AUX_DEPTH} levels deep")
+    if j is None or type(j) in (bool, int, float, str):
+        return j
+    if type(j) is list:
+        return [_decode_aux(x, tensor, path, f"{where}[{i}]", depth + 1) for i, x in enumerate(j)]
+    _check(type(j) is dict and len(j) == 1 and next(iter(j)) in _AUX_TAGS, path, where,
+           f"{str(j)[:80]} is not tagged aux state")
+    (tag, x), = j.items()
+    if tag == "float":
+        _check(x in ("nan", "inf", "-inf"), path, where, f"{x!r} is not nan, inf or -inf")
+        return float(x)
+    if tag == "tensor":
+        _check(_is_int(x) and x >= 0, path, where, f"{x!r} is not a tensor number")
+        return tensor(x)
+    _check(type(x) is list, path, where, f"{tag} of {type(x).__name__}, not a list")
+    if tag == "tuple":
+        return tuple(_decode_aux(y, tensor, path, f"{where}[{i}]", depth + 1) for i, y in enumerate(x))
+    out = {}
+    for i, kv in enumerate(x):
+        _check(type(kv) is list and len(kv) == 2, path, f"{where}[{i}]", "not a [key, value] pair")
+        k = _decode_aux(kv[0], None, path, f"{where}[{i}] key", depth + 1)
+        _check(k is None or type(k) in (bool, int, float, str), path, f"{where}[{i}]", f"key {k!r} is not a scalar")
+        out[k] = _decode_aux(kv[1], tensor, path, f"{where}[{k!r}]", depth + 1)
+    return out
 
 
 class _RecordFile:
-    """A record file of a checkpoint, its size and index checked against meta.json when opened; records are
-    read (and crc-checked) one at a time. See [Note: checkpoint record files]."""
+    """A record file of a checkpoint, its size, index and every index entry checked when opened (against
+    meta.json and the file itself); records are read (and crc-checked) one at a time. See [Note: checkpoint
+    record files] and [Note: checkpoints are untrusted input]."""
 
-    def __init__(self, path: str, want: dict | None):
+    def __init__(self, path: str, want: dict | None, version: int = VERSION):
         self.path = path
+        self.fd = None
         if want is None:
             raise CorruptionError("checkpoint file is not listed in meta.json", path)
         try:
             self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise CorruptionError("checkpoint file is missing", path) from None
+        except OSError as e:
+            raise CorruptionError(f"checkpoint file cannot be opened ({e.strerror})", path) from None
         try:
             size = os.fstat(self.fd).st_size
             if size != want["nbytes"]:
@@ -392,18 +577,57 @@ class _RecordFile:
             if size < len(MAGIC) + FOOTER.size or self._pread(0, len(MAGIC)) != MAGIC:
                 raise CorruptionError(f"checkpoint file does not start with {MAGIC!r}", path, 0, len(MAGIC))
             at, n, crc, magic = FOOTER.unpack(self._pread(size - FOOTER.size, FOOTER.size))
-            if magic != FOOTER_MAGIC or at + n + FOOTER.size != size:
+            if magic != FOOTER_MAGIC or at < len(MAGIC) or at + n + FOOTER.size != size:
                 raise CorruptionError("checkpoint file footer is damaged", path, size - FOOTER.size, FOOTER.size)
             raw = self._pread(at, n)
             if crc32c.crc32c(raw) != crc or crc != want["index_crc32c"]:
                 raise CorruptionError(f"checkpoint file index fails its crc32c (footer {crc}, meta.json "
                                       f"{want['index_crc32c']}, data {crc32c.crc32c(raw)})", path, at, n)
-            index = json.loads(raw)
+            try:
+                index = json.loads(raw)
+            except (ValueError, RecursionError) as e:
+                raise CorruptionError(f"checkpoint file index is not JSON ({e})", path, at, n) from None
+            self._check_index(index, version, at)
+            self.version = version
             self.records: dict[str, dict] = index["records"]
-            self.aux: dict[str, dict] = index["aux"]
+            self.aux: dict[str, object] = index["aux"]
         except BaseException:
             os.close(self.fd)
+            self.fd = None
             raise
+
+    def _check_index(self, index, version: int, end: int) -> None:
+        p = self.path
+        _check(isinstance(index, dict) and index.get("format") == FILE_FORMAT, p, "format",
+               f"the index is not a {FILE_FORMAT!r} index")
+        _check(index.get("version") == version, p, "version",
+               f"the index says {index.get('version')!r}; meta.json says {version}")
+        _check(index.get("byteorder") == "little", p, "byteorder", f"{index.get('byteorder')!r} is not 'little'")
+        records, aux = index.get("records"), index.get("aux")
+        _check(isinstance(records, dict), p, "records", "not a map of names to records")
+        _check(isinstance(aux, dict) and all(isinstance(v, dict) and k.isdigit() and k.isascii()
+                                             for k, v in aux.items()), p, "aux", "not a map of sub-groups to state")
+        spans = []
+        for name, r in records.items():
+            f = f"records[{name!r}]"
+            _check(isinstance(r, dict), p, f, "not a record")
+            dt, shape = r.get("dtype"), r.get("shape")
+            pickled = version == 2 and dt == "bytes" and name.endswith(".aux")  # refused by aux_of
+            _check(isinstance(dt, str) and dt in _RECORD_DTYPES or pickled, p, f"{f}.dtype",
+                   f"{dt!r} is not a dtype records hold")
+            _check(isinstance(shape, list) and len(shape) <= 64 and all(_is_int(s) and s >= 0 for s in shape), p,
+                   f"{f}.shape", f"{str(shape)[:80]} is not a shape")
+            off, nb, crc = r.get("offset"), r.get("nbytes"), r.get("crc32c")
+            _check(_is_int(nb) and nb == math.prod(shape) * (1 if pickled else _RECORD_DTYPES[dt].itemsize), p,
+                   f"{f}.nbytes", f"{nb!r} is not {shape} x the itemsize of {dt}")
+            _check(_is_int(off) and len(MAGIC) <= off and off + nb <= end, p, f"{f}.offset",
+                   f"{off!r} + {nb} bytes is not between the magic and the index ({end})")
+            _check(_is_int(crc) and 0 <= crc < 1 << 32, p, f"{f}.crc32c", f"{crc!r} is not a crc32c")
+            if nb:
+                spans.append((off, nb, name))
+        spans.sort()
+        for (a, an, aname), (b, _bn, bname) in zip(spans, spans[1:]):
+            _check(a + an <= b, p, f"records[{bname!r}].offset", f"record overlaps {aname!r}")
 
     def _pread(self, offset: int, n: int) -> bytes:
         data = os.pread(self.fd, n, offset)
@@ -415,10 +639,16 @@ class _RecordFile:
         r = self.records.get(name)
         return None if r is None else tuple(r["shape"])
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, numel: int | None = None) -> torch.Tensor:
+        """Record `name` (crc-checked); numel: the elements it must have (checked before anything is read)."""
         r = self.records.get(name)
         if r is None:
             raise CorruptionError(f"checkpoint file has no record {name!r}", self.path)
+        if r["dtype"] == "bytes":
+            raise CorruptionError(f"checkpoint record {name!r} is not a tensor", self.path)
+        if numel is not None and math.prod(r["shape"]) != numel:
+            raise CorruptionError(f"checkpoint record {name!r} has shape {r['shape']}; the checkpoint's layout "
+                                  f"says {numel} elements", self.path, r["offset"], r["nbytes"])
         at, n = r["offset"], r["nbytes"]
         buf = torch.empty(n, dtype=torch.uint8)
         view = buf.numpy()
@@ -431,62 +661,29 @@ class _RecordFile:
             done += got
         if crc_at(buf.data_ptr(), n) != r["crc32c"]:
             raise CorruptionError(f"checkpoint record {name!r} fails its crc32c", self.path, at, n)
-        if r["dtype"] == "bytes":
-            return buf
-        return buf.view(getattr(torch, r["dtype"])).reshape(r["shape"])
+        return buf.view(_RECORD_DTYPES[r["dtype"]]).reshape(r["shape"])
 
     def aux_of(self, gid: int) -> dict:
-        if f"{gid}.aux" in self.records:
-            return torch.load(io.BytesIO(self.read(f"{gid}.aux").numpy().tobytes()), weights_only=False)
-        return dict(self.aux.get(str(gid), {}))
+        """Sub-group `gid`'s non-tensor optimizer state ([Note: checkpoints are untrusted input])."""
+        if self.version == 2:
+            if f"{gid}.aux" in self.records:
+                raise TierstoreValueError(
+                    f"{self.path} holds the optimizer state of sub-group {gid} as a pickle (record '{gid}.aux', "
+                    "written by checkpoint format 2 for state JSON cannot hold); unpickling can run code, so "
+                    "this tierstore does not read it. Convert a checkpoint you trust with the tierstore that "
+                    f"wrote it: load_checkpoint, then save_checkpoint writes version {VERSION}")
+            return dict(self.aux.get(str(gid), {}))
+        j = self.aux.get(str(gid))
+        if j is None:
+            return {}
+        out = _decode_aux(j, lambda k: self.read(f"{gid}.aux.{k}"), self.path, f"aux[{str(gid)!r}]")
+        _check(type(out) is dict, self.path, f"aux[{str(gid)!r}]", "not a dict")
+        return out
 
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-class _V1File:
-    """A version-1 file (one torch.save'd dict), checked whole against its crc32c, behind _RecordFile's API."""
-
-    def __init__(self, path: str, want: dict | None, buffers: bool):
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise CorruptionError("checkpoint file is missing", path) from None
-        if want is None or len(data) != want["nbytes"] or crc32c.crc32c(data) != want["crc32c"]:
-            raise CorruptionError(f"checkpoint file fails its size/crc32c check (expected {want}, got "
-                                  f"{len(data)} bytes)", path)
-        obj = torch.load(io.BytesIO(data), weights_only=False)
-        self.path = path
-        self.records: dict[str, torch.Tensor] = {}
-        self._aux: dict[int, dict] = {}
-        if buffers:
-            self.records = dict(obj)
-            return
-        for gid, sg in obj.items():
-            for role in ("master", "param"):
-                if role in sg:
-                    self.records[f"{gid}.{role}"] = sg[role]
-            for k, v in sg.get("state", {}).items():
-                self.records[f"{gid}.state.{k}"] = v
-            self._aux[int(gid)] = dict(sg.get("aux", {}))
-
-    def shape(self, name: str) -> tuple[int, ...] | None:
-        t = self.records.get(name)
-        return None if t is None else tuple(t.shape)
-
-    def read(self, name: str) -> torch.Tensor:
-        if name not in self.records:
-            raise CorruptionError(f"checkpoint file has no record {name!r}", self.path)
-        return self.records[name]
-
-    def aux_of(self, gid: int) -> dict:
-        return dict(self._aux.get(gid, {}))
-
-    def close(self) -> None:
-        self.records.clear()
 
 
 class _Checkpoint:
@@ -496,34 +693,31 @@ class _Checkpoint:
         self.sub = sub
         self.body = body
         self.version = body["version"]
-        self._open: dict[str, _RecordFile | _V1File] = {}
+        self._open: dict[str, _RecordFile] = {}
         self._last_key: tuple[int, int] | None = None
         self._last: dict[str, torch.Tensor] = {}
 
-    def file(self, fname: str):
+    def file(self, fname: str) -> _RecordFile:
         if fname not in self._open:
-            path = os.path.join(self.sub, fname)
-            want = self.body["files"].get(fname)
-            if self.version == 1:
-                self._open[fname] = _V1File(path, want, buffers=fname.startswith("buffers"))
-            else:
-                self._open[fname] = _RecordFile(path, want)
+            self._open[fname] = _RecordFile(os.path.join(self.sub, fname), self.body["files"].get(fname),
+                                            self.version)
         return self._open[fname]
 
-    def rank(self, r: int):
-        return self.file(f"rank{r:05d}.pt" if self.version == 1 else f"rank{r:05d}.bin")
+    def rank(self, r: int) -> _RecordFile:
+        return self.file(f"rank{r:05d}.bin")
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        f = self.file("buffers.pt" if self.version == 1 else "buffers.bin")
+        f = self.file("buffers.bin")
         return {n: f.read(n) for n in f.records}
 
-    def record(self, r: int, gid: int, role: str) -> torch.Tensor:
-        """Record ``<gid>.<role>`` of rank r's file; the records of one (rank, gid) stay cached until another
-        (rank, gid) is read, so memory holds one source sub-group ([Note: streaming save and load])."""
+    def record(self, r: int, gid: int, role: str, numel: int) -> torch.Tensor:
+        """Record ``<gid>.<role>`` of rank r's file, of `numel` elements; the records of one (rank, gid) stay
+        cached until another (rank, gid) is read, so memory holds one source sub-group ([Note: streaming save
+        and load])."""
         if self._last_key != (r, gid):
             self._last_key, self._last = (r, gid), {}
         if role not in self._last:
-            self._last[role] = self.rank(r).read(f"{gid}.{role}")
+            self._last[role] = self.rank(r).read(f"{gid}.{role}", numel)
         return self._last[role]
 
     def close(self) -> None:
@@ -538,6 +732,8 @@ def _source_layout(body: dict) -> list[tuple[int, Plan, list[int]]]:
     out, gid = [], 0
     for g in body["layout"]["groups"]:
         p = Plan.from_dict(g["plan"])
+        if not _is_int(g["index"]):
+            raise TierstoreValueError(f"group index {g['index']!r} is not an integer")
         out.append((g["index"], p, list(range(gid, gid + len(p.buckets)))))
         gid += len(p.buckets)
     return out
@@ -568,7 +764,7 @@ def _assemble(ck: _Checkpoint, src: Plan, dst: Plan, s_gids: list[int], rank: in
         for c in copies:
             for role in (has(c.src_bucket) if has else roles):
                 if role in out:
-                    s = ck.record(c.src_rank, s_gids[c.src_bucket], role)
+                    s = ck.record(c.src_rank, s_gids[c.src_bucket], role, src.buckets[c.src_bucket].shard_numel)
                     out[role][c.dst_offset:c.dst_offset + c.numel].copy_(
                         s.reshape(-1)[c.src_offset:c.src_offset + c.numel])
         yield b.index, out, srcs
@@ -596,6 +792,16 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
                                   f"{len(opt.layout.groups) - 1}")
     me = opt.rank
     cfg = opt.config
+    # checked before anything is imported: hyperparameters, the buffers' shapes, every sub-group's aux state
+    meta = os.path.join(ck.sub, "meta.json")
+    _check_hyperparams(opt.param_groups, body["param_groups"], meta)
+    bfile = ck.file("buffers.bin")
+    for n, b in opt.model.named_buffers():
+        if n in bfile.records and bfile.shape(n) != tuple(b.shape):
+            raise TierstoreValueError(f"buffer {n!r} has shape {list(bfile.shape(n))} in {bfile.path} and "
+                                      f"{list(b.shape)} in the model; build the same model")
+    first = ck.rank(0)
+    aux = {sg: first.aux_of(sg) for s_index, _p, s_gids in src if s_index >= 0 for sg in s_gids}
     for (s_index, s_plan, s_gids), gl in zip(src, opt.layout.groups):
         if s_index != gl.index or set(s_plan.params) != set(gl.plan.params):
             raise TierstoreValueError(f"parameter group {gl.index} holds other parameters in the checkpoint "
@@ -612,16 +818,13 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
         # per source sub-group: which states are per element (resharded) and which scalar; a sub-group no
         # step reached has none, and sub-groups skipped on some steps count their own `step`
         # ([Note: resharding on load])
-        first = ck.rank(0)
         per_element: dict[int, list[str]] = {}
         scalars: dict[int, dict] = {}
-        aux: dict[int, dict] = {}
         for sb, sg in enumerate(s_gids):
             keys = [n[len(f"{sg}.state."):] for n in first.records if n.startswith(f"{sg}.state.")]
             per_element[sb] = [k for k in keys
                                if first.shape(f"{sg}.state.{k}") == (s_plan.buckets[sb].shard_numel,)]
             scalars[sb] = {k: first.read(f"{sg}.state.{k}") for k in keys if k not in per_element[sb]}
-            aux[sb] = first.aux_of(sg)
         all_keys = list(dict.fromkeys(k for sb in per_element for k in per_element[sb]))
         fresh = opt._initial_state_values(opt._gid_group[gl.gids[0]])
         roles = ["master"] + [f"state.{k}" for k in all_keys]
@@ -630,10 +833,10 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
                 has=lambda sb: ["master"] + [f"state.{k}" for k in per_element[sb]],
                 fill={f"state.{k}": fresh.get(k, 0.0) for k in all_keys}):
             st = {k: shards[f"state.{k}"] for k in all_keys if f"state.{k}" in shards}
-            stepped = [sb for sb in srcs if per_element[sb] or scalars[sb]]
+            stepped = [sb for sb in srcs if per_element[sb] or scalars[sb] or aux[s_gids[sb]]]
             if stepped:  # scalars of the first source sub-group that was stepped (all of them agree when
                 st.update({k: v.clone() for k, v in scalars[stepped[0]].items()})  # the layouts match)
-            opt._import_subgroup(gl.gids[b], shards["master"], st, dict(aux[stepped[0]]) if stepped else {})
+            opt._import_subgroup(gl.gids[b], shards["master"], st, aux[s_gids[stepped[0]]] if stepped else {})
             del shards, st
     opt._set_hyperparams(body["param_groups"])
     opt._scaler.load_state_dict(body["scaler"])
@@ -642,6 +845,25 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
     for n, b in opt.model.named_buffers():
         if n in buffers:
             b.data.copy_(buffers[n].to(b.dtype))
+
+
+def _kind(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return "number" if v.numel() == 1 else "sequence"
+    if isinstance(v, bool) or isinstance(v, str) or isinstance(v, dict):
+        return type(v).__name__
+    if isinstance(v, (int, float)):
+        return "number"
+    return "sequence" if isinstance(v, (list, tuple)) else type(v).__name__
+
+
+def _check_hyperparams(groups: list[dict], saved: list[dict], path: str) -> None:
+    """Each saved hyperparameter must be of the kind (number, bool, str, sequence) the optimizer holds."""
+    for i, (g, sv) in enumerate(zip(groups, saved)):
+        for k, v in sv.items():
+            cur = g.get(k)
+            _check(cur is None or v is None or _kind(cur) == _kind(v), path, f"param_groups[{i}][{k!r}]",
+                   f"{str(v)[:40]} is a {_kind(v)}; the optimizer's is a {_kind(cur)}")
 
 
 def consolidate(directory: str | os.PathLike, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -660,7 +882,8 @@ def consolidate(directory: str | os.PathLike, *, dtype: torch.dtype | None = Non
             role = "master" if index >= 0 else "param"
             buckets = []
             for b, gid in enumerate(gids):
-                full = torch.cat([ck.record(r, gid, role).reshape(-1).to(torch.float32) for r in range(world)])
+                n = plan.buckets[b].shard_numel  # elements
+                full = torch.cat([ck.record(r, gid, role, n).reshape(-1).to(torch.float32) for r in range(world)])
                 buckets.append(full.to(plan.buckets[b].dtype) if index < 0 else full)
             if index >= 0:
                 plan = fp32_twin(plan)
