@@ -46,8 +46,9 @@ tier can take it is TierFullError raised, naming every budget.
 [Note: locking]
 One re-entrant lock guards the tensors' metadata, budgets and moves between memory tiers, and writes to the
 nvme tier (a memcpy into a staging buffer for small tensors). Reads from the nvme tier run without it, so
-a prefetch on a worker thread does not stall other threads; a read that finds the tensor changed meanwhile
-is retried. flush() holds the lock while it snapshots the tensors and marks their extents as named by a
+a prefetch on a worker thread does not stall other threads; a read returns the value the tensor had when
+it began (the extent it reads is not reused until it ends), and a read whose extent was already freed
+when it began is retried on the current one. flush() holds the lock while it snapshots the tensors and marks their extents as named by a
 manifest, then releases it for the waiting and fsyncs.
 """
 from __future__ import annotations

@@ -269,7 +269,8 @@ class TieredTensor:
     # -- reading ---------------------------------------------------------------------------------------
     def _read_value(self, into: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
         """The current value as a tensor (a memory copy, or a fresh CPU tensor read from nvme) and whether it is
-        fresh (ours to keep). Runs nvme reads without the store lock; retries if the tensor changed meanwhile.
+        fresh (ours to keep). Runs nvme reads without the store lock; retries only when the extent was freed
+        before the read could begin (replaced or updated meanwhile).
         `into`: contiguous uint8 CPU memory of nbytes to read an identity-coded nvme copy into (get(out=))."""
         store = self._store
         while True:
@@ -303,10 +304,13 @@ class TieredTensor:
             finally:
                 with store._lock:
                     self._pins -= 1
-            with store._lock:
-                if self._version == version and not self._deleted:
-                    self._touch()
-                    return self._decode(data), True
+                    if self._version == version and not self._deleted:
+                        self._touch()
+            # The value as it was when the read began, whatever happened since: its extent could not be reused
+            # while the read held it, and its crc32c was checked. Retrying here instead would starve a reader
+            # of a tensor rewritten faster than it can be read ([Note: a read by name sees the old or the new
+            # value] in store.py).
+            return self._decode(data), True
 
     def _read_to(self, device: torch.device | None) -> torch.Tensor:
         value, fresh = self._read_value()
