@@ -3,7 +3,6 @@ reopens the store and finds exactly the tensors of the last completed flush (or 
 as it died), bit-exact, and the store usable. Many rounds, each continuing the same store."""
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import signal
@@ -11,6 +10,7 @@ import time
 
 import torch
 
+from tests.support.dist import context
 from tierstore.store import Store
 
 NAMES = 20
@@ -64,8 +64,7 @@ def test_sigkill_during_put_flush_loop(tmp_path):
     rng = random.Random(1234)
     # A fork server started once (torch imported there) forks each child quickly and from a clean,
     # single-threaded process; forking pytest itself could inherit locks held by its threads.
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "tierstore.store"])
+    ctx = context()
     seen_gens = []
     for _round in range(20):
         with open(log, "w"):

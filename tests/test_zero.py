@@ -9,7 +9,13 @@ import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 
+from tests.support import Checkpointed, Net, Odd, batches, cfg, loss_fn, make_pair, max_rel, reference
+from tierstore.errors import TierstoreValueError
+from tierstore.zero import OffloadConfig, Zero3Optimizer
+
+TIERS = ("device", "host", "nvme")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -19,73 +25,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-import torch.nn as nn
-
-from tierstore.errors import TierstoreValueError
-from tierstore.zero import OffloadConfig, Zero3Optimizer
-
-TIERS = ("device", "host", "nvme")
-
-
-class Net(nn.Module):
-    """Small MLP with a layer norm; enough parameters for several sub-groups when min_io_bytes is small."""
-
-    def __init__(self, d=16, h=32, o=4):
-        super().__init__()
-        self.fc1 = nn.Linear(d, h)
-        self.norm = nn.LayerNorm(h)
-        self.fc2 = nn.Linear(h, h)
-        self.head = nn.Linear(h, o)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.fc2(torch.relu(self.norm(self.fc1(x))))))
-
-
-def make_pair(seed=0, **kw):
-    torch.manual_seed(seed)
-    m = Net(**kw)
-    return m, copy.deepcopy(m)
-
-
-def batches(n, d=16, o=4, seed=1, bs=24):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(bs, d, generator=g), torch.randn(bs, o, generator=g)) for _ in range(n)]
-
-
-def loss_fn(m, x, y):
-    return ((m(x) - y) ** 2).mean()
-
-
-def cfg(tmp_path, params="device", states="host", grads="host", **kw):
-    kw.setdefault("min_io_bytes", 1024)  # several sub-groups even for a tiny model
-    kw.setdefault("sub_group_bytes", 8192)
-    return OffloadConfig(params=params, optimizer_states=states, gradients=grads,
-                         nvme_paths=[str(tmp_path / "nvme")], **kw)
-
-
-def max_rel(full, ref_model):
-    worst = 0.0
-    for n, p in ref_model.named_parameters():
-        d = (full[n].float() - p.detach()).abs().max().item()
-        worst = max(worst, d / max(p.detach().abs().max().item(), 1e-12))
-    return worst
-
-
-_REFERENCE: dict = {}
-
-
-def reference(opt_cls, kwargs, steps):
-    """The plain torch run, once per (optimizer, kwargs) for the whole module."""
-    key = (opt_cls, repr(sorted(kwargs.items())), steps)
-    if key not in _REFERENCE:
-        ref_m, _ = make_pair()
-        ref = opt_cls(ref_m.parameters(), **kwargs)
-        for x, y in batches(steps):
-            loss_fn(ref_m, x, y).backward()
-            ref.step()
-            ref.zero_grad()
-        _REFERENCE[key] = ref_m
-    return _REFERENCE[key]
 
 
 def run_parity(tmp_path, opt_cls, kwargs, steps=20, **cfg_kw):
@@ -225,22 +164,6 @@ def test_state_dict_round_trip_continues_identically(tmp_path):
         opt2.load_state_dict(torch.optim.AdamW(nn.Linear(2, 2).parameters()).state_dict())
     opt.close()
     opt2.close()
-
-
-class Odd(nn.Module):
-    """Tied weights, an unused layer and a module called twice per forward (also used by test_zero_dist)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(10, 8)
-        self.block = nn.Linear(8, 8)
-        self.unused = nn.Linear(8, 8)
-        self.out = nn.Linear(8, 10, bias=False)
-        self.out.weight = self.emb.weight  # tied
-
-    def forward(self, idx):
-        h = torch.tanh(self.block(self.emb(idx)))
-        return self.out(torch.tanh(self.block(h)))  # block called twice
 
 
 def test_unused_tied_and_reused_modules(tmp_path):
@@ -607,22 +530,6 @@ def test_frozen_buckets_are_released_during_backward(tmp_path):
         assert torch.allclose(full["head.weight"], ref[1].weight, rtol=1e-6, atol=1e-7)
     finally:
         opt.close()
-
-
-class Checkpointed(nn.Module):
-    """Residual blocks run under torch.utils.checkpoint (their forward runs again inside backward)."""
-
-    def __init__(self, reentrant: bool):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)) for _ in range(4))
-        self.head = nn.Linear(16, 4)
-        self.reentrant = reentrant
-
-    def forward(self, x):
-        from torch.utils.checkpoint import checkpoint
-        for b in self.blocks:
-            x = x + checkpoint(b, x, use_reentrant=self.reentrant)
-        return self.head(x)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

@@ -4,76 +4,35 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
-import sys
+import pathlib
 
 import pytest
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_zero import Net, batches, cfg, loss_fn, max_rel  # noqa: E402
-
-from tierstore.errors import MisuseError, TierstoreValueError  # noqa: E402
-from tierstore.zero import Init, TiledLinear, Zero3Optimizer  # noqa: E402
-
-
-def _status(field: str) -> int:  # bytes
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
+from tests.support import (Branchy, Deep, Net, batches, cfg, loss_fn, max_rel, peak_growth, rss_follows_live_memory,
+                           run_isolated)
+from tierstore.errors import MisuseError, TierstoreValueError
+from tierstore.zero import Init, TiledLinear, Zero3Optimizer
 
 
-def _peak_growth(fn) -> tuple[int, object]:
-    """Bytes the process's peak RSS rose above its RSS before fn() (peak reset via /proc/self/clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status("VmRSS")
-    out = fn()
-    return _status("VmHWM") - before, out
-
-
-class Deep(nn.Module):
-    def __init__(self, layers=12, width=1024):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
-def _measure_build(root: str, out: str) -> None:
+def _measure_build(root: str) -> dict:
     """In a fresh process: peak RSS growth while building Deep() plainly and under zero.Init (nvme)."""
-    import ctypes
-    # glibc raises its mmap threshold after the first large free, then keeps freed layers in the heap, so
-    # RSS would count memory that is free; a fixed threshold makes RSS follow live memory (M_MMAP_THRESHOLD)
-    ctypes.CDLL(None).mallopt(-3, 128 << 10)
-    c = cfg(__import__("pathlib").Path(root), params="nvme", states="host", grads="host", pinned_bytes=4 << 20)
-    plain, _ = _peak_growth(lambda: Deep())
+    rss_follows_live_memory()
+    c = cfg(pathlib.Path(root), params="nvme", states="host", grads="host", pinned_bytes=4 << 20)
+    plain, _ = peak_growth(lambda: Deep())
     with Init(c) as init:
         # Warm up first: the first layer offloaded starts the engine's threads, loads native libraries and
         # imports what the store needs on first use. That one-time cost varied with the process (7-17 MiB
         # seen), and it is not what this test measures: memory per layer built.
         Deep(layers=1)
-        grown, model = _peak_growth(lambda: Deep())
+        grown, model = peak_growth(lambda: Deep())
         ok = init.offloaded == 26 and all(p.numel() == 0 for p in model.parameters())
-    torch.save({"plain": plain, "grown": grown, "ok": ok}, out)
+    return {"plain": plain, "grown": grown, "ok": ok}
 
 
 def test_init_peak_memory_is_about_one_layer(tmp_path):
-    import multiprocessing as mp
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "tierstore.zero", "test_zero"])
-    out = str(tmp_path / "mem.pt")
-    p = ctx.Process(target=_measure_build, args=(str(tmp_path), out))
-    p.start()
-    p.join(120)
-    assert p.exitcode == 0, p.exitcode
-    r = torch.load(out)
+    r = run_isolated(_measure_build, str(tmp_path), timeout=120)
     layer = 1024 * 1024 * 4  # bytes of one layer's weight
     print(f"building 12 x 4 MiB layers: peak RSS +{r['plain'] / 2**20:.1f} MiB plain, +{r['grown'] / 2**20:.1f} "
           f"MiB under zero.Init (one layer = {layer / 2**20:.0f} MiB)")
@@ -218,21 +177,6 @@ def test_tiled_linear_equals_linear_and_gathers_one_tile_at_a_time(tmp_path):
     assert max(bwd) <= 2  # backward: a tile is released when its gradient lands, after the next one's gather
     assert max_rel(opt.full_state_dict(), ref) <= 1e-6
     opt.close()
-
-
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
-        self.c = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 4)
-        self.use_b = False
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        h = torch.tanh(self.b(h)) if self.use_b else torch.tanh(self.c(h))
-        return self.head(h)
 
 
 def test_traced_prefetch_hits_and_rebuilds_on_order_change(tmp_path, caplog):
