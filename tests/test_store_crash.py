@@ -39,7 +39,7 @@ def model(g: int) -> dict[str, torch.Tensor]:
 
 def child(d: str, log_fd: int) -> None:
     s = Store(d, pinned_budget=4 << 20, buffer_bytes=1 << 20, host_budget=1 << 20)
-    g = s._generation
+    g = s.generation
     while True:
         g += 1
         puts, gone = gen_plan(g)
@@ -48,7 +48,7 @@ def child(d: str, log_fd: int) -> None:
         if gone and gone in s:
             s.delete(gone)
         s.flush()
-        assert s._generation == g
+        assert s.generation == g
         os.write(log_fd, f"{g}\n".encode())
 
 
@@ -81,7 +81,7 @@ def test_sigkill_during_put_flush_loop(tmp_path):
             assert not logged  # killed before its first flush completed
             continue
         with Store.open(d) as s:
-            g = s._generation
+            g = s.generation
             last = logged[-1] if logged else None
             assert last is None or g in (last, last + 1), (g, logged)
             want = model(g)

@@ -234,7 +234,7 @@ def _flip(path: str, offset: int) -> None:
 
 
 def test_damaged_record_index_or_size_is_reported_with_file_and_offset(tmp_path):
-    from tierstore.zero.checkpoint import _RecordFile, read_meta
+    from tierstore.zero.checkpoint import _RecordFile, read_meta  # private reader: finds the byte to damage
     _, m = make_pair()
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path / "a"))
     train(m, opt, batches(2))
@@ -266,13 +266,20 @@ def test_damaged_record_index_or_size_is_reported_with_file_and_offset(tmp_path)
 
 
 def _save_version_1(opt, directory) -> None:
-    """A checkpoint as tierstore wrote it before the record format (version 1: torch.save'd dicts)."""
+    """A checkpoint as tierstore wrote it before the record format (version 1: torch.save'd dicts), written
+    here from that format's description and the optimizer's public state."""
     import io
     import json
 
     import crc32c
 
     from tierstore.zero import checkpoint as ckpt
+    sd = opt.state_dict()
+    aliases, first = {}, {}  # every parameter name -> the name it is stored under (tied: the first one)
+    for n, p in opt.model.named_parameters(remove_duplicate=False):
+        aliases[n] = first.setdefault(id(p), n)
+    groups = [{k: list(v) if isinstance(v, tuple) else v.item() if isinstance(v, torch.Tensor) else v
+               for k, v in g.items()} for g in sd["param_groups"]]  # as JSON holds them
     sub = os.path.join(directory, f"ckpt-{opt.steps:08d}-v1")
     os.makedirs(sub)
 
@@ -281,13 +288,13 @@ def _save_version_1(opt, directory) -> None:
         torch.save(obj, buf)
         open(os.path.join(sub, name), "wb").write(buf.getvalue())
         return {"nbytes": len(buf.getvalue()), "crc32c": crc32c.crc32c(buf.getvalue())}
-    shards = {gid: opt._export_subgroup(gid) for gid in opt.layout.trainable_gids()}
-    files = {"rank00000.pt": dump(shards, "rank00000.pt"),
+    files = {"rank00000.pt": dump(sd["subgroups"], "rank00000.pt"),
              "buffers.pt": dump({n: b.detach().clone() for n, b in opt.model.named_buffers()}, "buffers.pt")}
-    body = {"world_size": 1, "layout": opt.layout.to_dict(), "param_groups": ckpt._jsonable(opt._hyperparams()),
+    body = {"world_size": 1, "layout": opt.layout.to_dict(), "param_groups": groups,
             "optimizer": "torch.optim.adamw.AdamW", "compute_dtype": "float32", "steps": opt.steps,
-            "scaler": opt._scaler.state_dict(), "aliases": opt._aliases, "files": files}
-    doc = {"format": ckpt.FORMAT, "version": 1, "crc32c": ckpt._body_crc(body), "body": body}
+            "scaler": sd["scaler"], "aliases": aliases, "files": files}
+    crc = crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())  # of the canonical body
+    doc = {"format": ckpt.FORMAT, "version": 1, "crc32c": crc, "body": body}
     open(os.path.join(sub, "meta.json"), "w").write(json.dumps(doc))
     open(os.path.join(directory, "latest"), "w").write(os.path.basename(sub))
 

@@ -232,7 +232,7 @@ def sc_quant(rank, world, root):
         with torch.no_grad():
             res[name] = float(loss_fn(m, *data[25]))
         if kw.get("state_codec"):
-            res[name + ".8bit_states"] = len(opt._qs)  # states really stored in 8 bits
+            res[name + ".8bit_states"] = opt.stats().quantized_states  # states really stored in 8 bits
         opt.close()
     return res
 
@@ -275,7 +275,7 @@ def sc_split_heads(rank, world, root):
         opt.step()
         opt.zero_grad()
     out = opt.full_state_dict()
-    out["counters"] = {"early": opt.coordinator.early_reductions, "buckets": len(opt.layout.trainable_gids())}
+    out["counters"] = {"early": opt.coordinator.stats().early_reductions, "buckets": len(opt.layout.trainable_gids())}
     opt.close()
     return out
 
@@ -291,8 +291,8 @@ def sc_late(rank, world, root):
         opt.step()
         opt.zero_grad()
     out = opt.full_state_dict()
-    co = opt.coordinator
-    out["counters"] = {"early": co.early_reductions, "again": co.rereductions}
+    st = opt.coordinator.stats()
+    out["counters"] = {"early": st.early_reductions, "again": st.rereductions}
     opt.close()
     return out
 
@@ -324,11 +324,12 @@ def sc_grad_memory(rank, world, root):
     peaks = []
     for x, y in batches(4, d=32):
         loss_fn(m, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-        peaks.append(co.peak_grad_bytes)
-        assert co.grad_bytes == 0 and all(p.grad is None for p in m.parameters())
+        st = co.stats()
+        peaks.append(st.peak_grad_bytes)
+        assert st.grad_bytes == 0 and all(p.grad is None for p in m.parameters())
         opt.step()
         opt.zero_grad()
-    out = {"peaks": peaks, "early": co.early_reductions, "total": sum(4 * torch.Size(shape).numel() for shape, _dt, _rg in opt.layout.specs.values()),
+    out = {"peaks": peaks, "early": co.stats().early_reductions, "total": sum(4 * torch.Size(shape).numel() for shape, _dt, _rg in opt.layout.specs.values()),
            "layer": 4 * (32 * 32 + 32)}
     opt.close()
     return out
@@ -346,7 +347,7 @@ def sc_accumulate(rank, world, root):
         opt.step()
         opt.zero_grad()
     out = opt.full_state_dict()
-    out["counters"] = {"early": opt.coordinator.early_reductions}
+    out["counters"] = {"early": opt.coordinator.stats().early_reductions}
     opt.close()
     return out
 
@@ -406,14 +407,22 @@ def sc_prefetch(rank, world, root):
         opt.step()
         opt.zero_grad()
         if i == 3:
-            before_change = {"hits": co.gather_hits, "backward": co.gather_hits_backward, "dropped": co.gathers_dropped}
+            st = co.stats()
+            before_change = {"hits": st.gather_hits, "backward": st.gather_hits_backward, "dropped": st.gathers_dropped}
     out = opt.full_state_dict()
-    out["counters"] = {"before_change": before_change, "hits": co.gather_hits, "dropped": co.gathers_dropped,
-                       "ahead": co.gathers_ahead, "most_ahead": co.most_ahead, "rebuilds": co.trace.rebuilds,
-                       "staged": co.stage.staged, "copies": co.stage.copies, "pending": len(co._pending),
-                       "most_per_module": max(len(g) for g in co._module_gids.values())}
+    st = co.stats()
+    out["counters"] = {"before_change": before_change, "hits": st.gather_hits, "dropped": st.gathers_dropped,
+                       "ahead": st.gathers_ahead, "most_ahead": st.most_ahead, "rebuilds": st.trace_rebuilds,
+                       "staged": st.staged, "copies": st.staged_copies, "pending": st.gathers_in_flight,
+                       "most_per_module": most_buckets_per_module(m, opt.layout)}
     opt.close()
     return out
+
+
+def most_buckets_per_module(model, layout) -> int:
+    """The most buckets one module's own parameters lie in: what one module's gather brings in."""
+    return max(len({g for n, _p in mod.named_parameters(prefix=prefix, recurse=False) for g in layout.param_gids[n]})
+               for prefix, mod in model.named_modules())
 
 
 def sc_qwz_prefetch(rank, world, root):
@@ -427,7 +436,8 @@ def sc_qwz_prefetch(rank, world, root):
         qc.reset_traffic()
         train(m, opt, batches(4), rank, world)
         sent = qc.traffic()["all_gather_quantized"]
-        out[depth] = {"hits": opt.coordinator.gather_hits, "gathers": opt.coordinator.gathers,
+        st = opt.coordinator.stats()
+        out[depth] = {"hits": st.gather_hits, "gathers": st.gathers,
                       "bytes": sent.bytes_sent, "calls": sent.calls, "state": opt.full_state_dict()}
         opt.close()
     return out

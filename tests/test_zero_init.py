@@ -48,7 +48,7 @@ def test_init_then_optimizer_equals_plain_build(tmp_path):
     with Init(cfg(tmp_path / "i", params="nvme")) as init:
         m = Net()
     assert init.offloaded == len(list(ref.parameters()))
-    assert m.fc1.weight._tierstore_init.shape == (32, 16)
+    assert m.fc1.weight._tierstore_init.shape == (32, 16)  # the handle init.py documents for users
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path / "o", params="nvme"))
     assert init.store is None  # every value was taken and the init store closed
     full = opt.full_state_dict()
@@ -73,10 +73,10 @@ def test_init_large_parameter_in_chunks_taken_bucket_by_bucket(tmp_path):
     torch.manual_seed(0)
     with Init(c) as init:
         m = nn.Linear(600, 600)
-    assert len(m.weight._tierstore_init.keys) == 2 and init._live == 3
-    deleted = []
-    orig = init._discard
-    init._discard = lambda key: (deleted.append((key, len(init.store.keys()))), orig(key))
+    assert len(m.weight._tierstore_init.keys) == 2 and init.stored_chunks == 3
+    deleted = []  # chunks in the Init store at each delete the optimizer's construction makes
+    store, delete = init.store, init.store.delete
+    store.delete = lambda key: (deleted.append((key, len(store.keys()))), delete(key))
     opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path / "o", params="host",
                                                                 sub_group_bytes=256 << 10, min_io_bytes=64 << 10))
     assert len(opt.layout.param_gids["weight"]) >= 5  # split over buckets
@@ -96,7 +96,7 @@ def test_module_built_under_init_but_not_optimized_fails_clearly(tmp_path):
         m(x)  # before the optimizer took the parameters
     opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path / "o"))
 
-    def guards(mod):
+    def guards(mod):  # torch's table of forward pre-hooks: whether the guards removed themselves
         return [h for h in mod._forward_pre_hooks.values() if "_guard_unclaimed" in h.__qualname__]
     assert guards(m.fc1) and guards(stray)
     m(x)  # now taken: the guards of m's modules removed themselves
@@ -120,9 +120,9 @@ def test_weight_replaced_by_tying_is_freed_from_the_init_store(tmp_path):
     init = Init(c)
     with init:
         m = Tied()
-    assert init._live == 1  # the embedding's chunk only
+    assert init.stored_chunks == 1  # the embedding's chunk only
     opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=c)
-    assert init._live == 0 and init.store is None  # everything taken: the Init store is closed
+    assert init.stored_chunks == 0 and init.store is None  # everything taken: the Init store is closed
     m(torch.tensor([[1, 2, 3]])).sum().backward()
     opt.step()
     opt.close()
@@ -161,8 +161,9 @@ def test_tiled_linear_equals_linear_and_gathers_one_tile_at_a_time(tmp_path):
 
     def spy(gids):
         orig(gids)
-        tiles = sum(1 for g in opt.coordinator._live if opt.layout.bucket(g).payload_numel >= 640)  # weight tiles
-        live.append(("forward" if opt.coordinator._in_forward else "backward", tiles))
+        st = opt.coordinator.stats()
+        tiles = sum(1 for g in st.buckets_held if opt.layout.bucket(g).payload_numel >= 640)  # weight tiles
+        live.append(("forward" if st.in_forward else "backward", tiles))
     opt.coordinator.gather = spy
     x = torch.randn(4, 96)
     m(x).square().mean().backward()
@@ -198,13 +199,15 @@ def test_traced_prefetch_hits_and_rebuilds_on_order_change(tmp_path, caplog):
                 o.step()
                 o.zero_grad()
             if i == 3:
-                assert co.trace.order and not co.trace.recording and co.prefetch_hits - co.prefetch_hits_backward > 0
-                assert co.prefetch_hits_backward > 0  # backward walks the trace in reverse
-                assert co.trace.rebuilds == 0
-    assert co.trace.rebuilds >= 2
+                st = co.stats()
+                assert co.trace.order and not co.trace.recording and st.prefetch_hits - st.prefetch_hits_backward > 0
+                assert st.prefetch_hits_backward > 0  # backward walks the trace in reverse
+                assert st.trace_rebuilds == 0
+    st = co.stats()
+    assert st.trace_rebuilds >= 2
     assert any("order changed" in r.getMessage() for r in caplog.records)
-    assert not co._prefetched  # nothing left in flight
-    assert co.stage.staged >= co.prefetch_hits > 0  # every shard read ahead went through the host->device stage
-    assert co.stage.copies == 0 and co.gathers_ahead == 0  # CPU: the stage hands shards through; world 1: no collective
+    assert st.reads_in_flight == 0 and st.gathers_in_flight == 0  # nothing left in flight
+    assert st.staged >= st.prefetch_hits > 0  # every shard read ahead went through the host->device stage
+    assert st.staged_copies == 0 and st.gathers_ahead == 0  # CPU: the stage hands shards through; world 1: no collective
     assert max_rel(opt.full_state_dict(), ref) <= 1e-6  # parity with prefetching and order changes
     opt.close()

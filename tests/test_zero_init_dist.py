@@ -89,7 +89,7 @@ def sc_memory(rank, world, root):
         stored = init.offloaded_bytes - stored_before
     opt = Zero3Optimizer(model, torch.optim.SGD, lr=0.1, config=c)
     mismatched = _same_bits(opt.full_state_dict(), plain_full)
-    left = init._live  # chunks still stored: none (the warm-up layer, never taken, freed them when dropped)
+    left = init.stored_chunks  # chunks still stored: none (the warm-up layer, never taken, freed them when dropped)
     opt.close()
     return {"plain": plain_growth, "grown": grown, "stored": stored, "mismatched": mismatched, "left": left}
 
