@@ -631,4 +631,5 @@ def test_stats_and_profiler_ranges(tmp_path):
 
 
 def test_exports():
-    assert tierstore.Store is Store and tierstore.TieredTensor.__name__ == "TieredTensor"
+    from tierstore.tensor import TieredTensor
+    assert tierstore.Store is Store and tierstore.TieredTensor is TieredTensor
