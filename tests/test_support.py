@@ -52,3 +52,12 @@ def test_a_hang_fails_with_the_ranks_named():
 
 def test_isolated_run_has_no_process_group():
     assert run_isolated(_no_group, 21) == (42, False)
+
+
+def _returns_a_lambda(rank, world):
+    return lambda: rank
+
+
+def test_a_result_that_cannot_be_sent_back_is_a_failure_that_says_so():
+    with pytest.raises(RanksFailed, match="rank 0 raised:\nits result could not be saved"):
+        run_ranks(_returns_a_lambda, 1)

@@ -65,7 +65,11 @@ def _rank_main(fn, rank: int, world: int, port: int | None, out: str, args: tupl
     finally:
         if dist is not None and dist.is_initialized():
             dist.destroy_process_group()
-    torch.save(payload, out)
+    try:
+        torch.save(payload, out)
+    except Exception:  # a result torch.save cannot write
+        payload = {"error": f"its result could not be saved:\n{traceback.format_exc()}", "at": time.time()}
+        torch.save(payload, out)
     if "error" in payload:
         os._exit(1)  # skip interpreter teardown: other ranks may still hold this one's sockets
 
