@@ -157,7 +157,8 @@ def _child(root: str) -> None:
                                                                    sub_group_bytes=1 << 20, min_io_bytes=1 << 18))
     if (root / "ckpt" / "latest").exists():
         opt.load_checkpoint(root / "ckpt")
-    (root / "started").write_text(str(opt.steps))
+    (root / "started.tmp").write_text(str(opt.steps))
+    os.replace(root / "started.tmp", root / "started")  # whole: the parent reads it as soon as it exists
     for x, y in batches(400, seed=11)[opt.steps:]:
         loss_fn(m, x, y).backward()
         opt.step()
