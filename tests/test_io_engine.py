@@ -210,15 +210,25 @@ def _buffered_roundtrip(eng, path):
     np.testing.assert_array_equal(back, data)
 
 
+def _refusals_logged(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
+
+
 def test_filesystem_refusing_o_direct(eng, ramfs_dir, caplog):
-    """A filesystem that refuses O_DIRECT gets buffered I/O, logged once, and exact data."""
+    """A filesystem that refuses O_DIRECT gets buffered I/O, logged once per filesystem, and exact data."""
     with caplog.at_level(logging.INFO, logger="tierstore.io"):
         _buffered_roundtrip(eng, ramfs_dir / "x.bin")
+        _buffered_roundtrip(eng, ramfs_dir / "y.bin")
+    logged = _refusals_logged(caplog)
+    assert len(logged) == 1 and str(ramfs_dir / "x.bin") in logged[0], logged
 
 
-def test_o_direct_refusal_simulated(eng, tmp_path, monkeypatch):
+def test_o_direct_refusal_simulated(eng, tmp_path, monkeypatch, caplog):
     """Same, wherever ramfs cannot be mounted: the kernel's EINVAL for O_DIRECT, given by a patched open."""
+    from tierstore.io import files
     real_open = os.open
+    # private: the filesystems already reported, process-wide; tmp_path's may be among them from another test
+    monkeypatch.setattr(files, "_no_direct_warned", set())
 
     def no_direct(path, flags, *a):
         if flags & os.O_DIRECT:
@@ -226,7 +236,11 @@ def test_o_direct_refusal_simulated(eng, tmp_path, monkeypatch):
         return real_open(path, flags, *a)
 
     monkeypatch.setattr(os, "open", no_direct)
-    _buffered_roundtrip(eng, tmp_path / "x.bin")
+    with caplog.at_level(logging.INFO, logger="tierstore.io"):
+        _buffered_roundtrip(eng, tmp_path / "x.bin")
+        _buffered_roundtrip(eng, tmp_path / "y.bin")
+    logged = _refusals_logged(caplog)
+    assert len(logged) == 1 and str(tmp_path / "x.bin") in logged[0], logged
 
 
 # ---- errors ------------------------------------------------------------------------------------

@@ -7,15 +7,13 @@ needs and end up with the same shards.
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.support import run_ranks
 from tierstore.partition import Plan, plan, reshard_copies, reshard_shards
 
 OPTIONS = dict(min_io_bytes=4096, alignment=512, bucket_bytes=64 << 10)  # bytes: small, so the model splits
@@ -56,66 +54,58 @@ def all_gather_bucket(shard: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(parts).view(shard.dtype)
 
 
-def _worker(rank: int, world: int, init_file: str, ckpt: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        specs = model_specs()
-        pl = plan(specs, world, **OPTIONS)
-        assert pl.split_params, "the model is meant to exercise split parameters"
-        every = [None] * world
-        dist.all_gather_object(every, pl.to_dict())
-        assert all(d == every[0] for d in every), "every rank plans the same layout"
+def rank_checks(rank: int, world: int, ckpt: str) -> None:
+    """Run on every rank of a gloo group (support.run_ranks); an assertion here fails the test with its
+    traceback."""
+    specs = model_specs()
+    pl = plan(specs, world, **OPTIONS)
+    assert pl.split_params, "the model is meant to exercise split parameters"
+    every = [None] * world
+    dist.all_gather_object(every, pl.to_dict())
+    assert all(d == every[0] for d in every), "every rank plans the same layout"
 
-        # Each rank keeps only its shards (built without ever materialising a whole bucket).
-        mine = {b.index: pl.flatten_shard(reference(specs), b, rank) for b in pl.buckets}
-        assert sum(t.numel() * t.element_size() for t in mine.values()) == pl.rank_bytes
-        assert all(t.numel() == pl.buckets[i].shard_numel for i, t in mine.items())
+    # Each rank keeps only its shards (built without ever materialising a whole bucket).
+    mine = {b.index: pl.flatten_shard(reference(specs), b, rank) for b in pl.buckets}
+    assert sum(t.numel() * t.element_size() for t in mine.values()) == pl.rank_bytes
+    assert all(t.numel() == pl.buckets[i].shard_numel for i, t in mine.items())
 
-        rebuilt = pl.unflatten([all_gather_bucket(mine[b.index], world) for b in pl.buckets])
-        want = reference(specs)
-        for name, t in want.items():
-            assert rebuilt[name].shape == t.shape and rebuilt[name].dtype == t.dtype, name
-            assert torch.equal(rebuilt[name], t), f"rank {rank}: {name} differs after all_gather"
+    rebuilt = pl.unflatten([all_gather_bucket(mine[b.index], world) for b in pl.buckets])
+    want = reference(specs)
+    for name, t in want.items():
+        assert rebuilt[name].shape == t.shape and rebuilt[name].dtype == t.dtype, name
+        assert torch.equal(rebuilt[name], t), f"rank {rank}: {name} differs after all_gather"
 
-        # Resume from a checkpoint written under another world size: rank 0 writes it (one file per
-        # shard, as a store would), every rank then reads only the files its new shards need.
-        saved_world = 6 - world  # 2 <-> 4
-        src = pl.reshard(saved_world)
-        if rank == 0:
-            full = reference(specs)
-            for b in src.buckets:
-                for r in range(saved_world):
-                    torch.save(src.flatten_shard(full, b, r).clone(), Path(ckpt, f"{b.index}-{r}.pt"))
-            Path(ckpt, "plan.json").write_text(json.dumps(src.to_dict()))
-        dist.barrier()
-        src = Plan.from_dict(json.loads(Path(ckpt, "plan.json").read_text()))
-        opened = []
+    # Resume from a checkpoint written under another world size: rank 0 writes it (one file per
+    # shard, as a store would), every rank then reads only the files its new shards need.
+    saved_world = 6 - world  # 2 <-> 4
+    src = pl.reshard(saved_world)
+    if rank == 0:
+        full = reference(specs)
+        for b in src.buckets:
+            for r in range(saved_world):
+                torch.save(src.flatten_shard(full, b, r).clone(), Path(ckpt, f"{b.index}-{r}.pt"))
+        Path(ckpt, "plan.json").write_text(json.dumps(src.to_dict()))
+    dist.barrier()
+    src = Plan.from_dict(json.loads(Path(ckpt, "plan.json").read_text()))
+    opened = []
 
-        def load(bucket: int, r: int) -> torch.Tensor:
-            opened.append((bucket, r))
-            return torch.load(Path(ckpt, f"{bucket}-{r}.pt"))
+    def load(bucket: int, r: int) -> torch.Tensor:
+        opened.append((bucket, r))
+        return torch.load(Path(ckpt, f"{bucket}-{r}.pt"))
 
-        resumed = reshard_shards(src, pl, load, dst_ranks=[rank])
-        assert len(opened) == len(set(opened)), "each saved shard is read at most once"
-        needed = {(c.src_bucket, c.src_rank) for c in reshard_copies(src, pl, dst_ranks=[rank])}
-        assert set(opened) == needed and len(needed) < len(src.buckets) * saved_world
-        for i, t in mine.items():
-            assert torch.equal(resumed[i, rank], t), f"rank {rank}: bucket {i} differs after resharding"
-        again = pl.unflatten([all_gather_bucket(resumed[b.index, rank], world) for b in pl.buckets])
-        assert all(torch.equal(again[n], t) for n, t in want.items())
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    resumed = reshard_shards(src, pl, load, dst_ranks=[rank])
+    assert len(opened) == len(set(opened)), "each saved shard is read at most once"
+    needed = {(c.src_bucket, c.src_rank) for c in reshard_copies(src, pl, dst_ranks=[rank])}
+    assert set(opened) == needed and len(needed) < len(src.buckets) * saved_world
+    for i, t in mine.items():
+        assert torch.equal(resumed[i, rank], t), f"rank {rank}: bucket {i} differs after resharding"
+    again = pl.unflatten([all_gather_bucket(resumed[b.index, rank], world) for b in pl.buckets])
+    assert all(torch.equal(again[n], t) for n, t in want.items())
+    dist.barrier()
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_gather_of_shards_rebuilds_every_parameter(world, tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    # forkserver: torch is imported once in the server, not once per rank as with spawn (seconds each),
-    # and unlike fork the ranks do not inherit this process's threads.
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "tierstore.partition", __name__])
-    mp.start_processes(_worker, args=(world, str(tmp_path / "init"), str(ckpt)), nprocs=world, join=True,
-                       start_method="forkserver")
+    run_ranks(rank_checks, world, str(ckpt), timeout=60)

@@ -9,7 +9,13 @@ import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 
+from tests.support import Checkpointed, Net, Odd, batches, cfg, loss_fn, make_pair, max_rel, reference
+from tierstore.errors import TierstoreValueError
+from tierstore.zero import OffloadConfig, Zero3Optimizer
+
+TIERS = ("device", "host", "nvme")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -19,73 +25,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-import torch.nn as nn
-
-from tierstore.errors import TierstoreValueError
-from tierstore.zero import OffloadConfig, Zero3Optimizer
-
-TIERS = ("device", "host", "nvme")
-
-
-class Net(nn.Module):
-    """Small MLP with a layer norm; enough parameters for several sub-groups when min_io_bytes is small."""
-
-    def __init__(self, d=16, h=32, o=4):
-        super().__init__()
-        self.fc1 = nn.Linear(d, h)
-        self.norm = nn.LayerNorm(h)
-        self.fc2 = nn.Linear(h, h)
-        self.head = nn.Linear(h, o)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.fc2(torch.relu(self.norm(self.fc1(x))))))
-
-
-def make_pair(seed=0, **kw):
-    torch.manual_seed(seed)
-    m = Net(**kw)
-    return m, copy.deepcopy(m)
-
-
-def batches(n, d=16, o=4, seed=1, bs=24):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(bs, d, generator=g), torch.randn(bs, o, generator=g)) for _ in range(n)]
-
-
-def loss_fn(m, x, y):
-    return ((m(x) - y) ** 2).mean()
-
-
-def cfg(tmp_path, params="device", states="host", grads="host", **kw):
-    kw.setdefault("min_io_bytes", 1024)  # several sub-groups even for a tiny model
-    kw.setdefault("sub_group_bytes", 8192)
-    return OffloadConfig(params=params, optimizer_states=states, gradients=grads,
-                         nvme_paths=[str(tmp_path / "nvme")], **kw)
-
-
-def max_rel(full, ref_model):
-    worst = 0.0
-    for n, p in ref_model.named_parameters():
-        d = (full[n].float() - p.detach()).abs().max().item()
-        worst = max(worst, d / max(p.detach().abs().max().item(), 1e-12))
-    return worst
-
-
-_REFERENCE: dict = {}
-
-
-def reference(opt_cls, kwargs, steps):
-    """The plain torch run, once per (optimizer, kwargs) for the whole module."""
-    key = (opt_cls, repr(sorted(kwargs.items())), steps)
-    if key not in _REFERENCE:
-        ref_m, _ = make_pair()
-        ref = opt_cls(ref_m.parameters(), **kwargs)
-        for x, y in batches(steps):
-            loss_fn(ref_m, x, y).backward()
-            ref.step()
-            ref.zero_grad()
-        _REFERENCE[key] = ref_m
-    return _REFERENCE[key]
 
 
 def run_parity(tmp_path, opt_cls, kwargs, steps=20, **cfg_kw):
@@ -129,7 +68,7 @@ def test_params_really_leave_the_model_and_states_live_in_the_store(tmp_path):
         x, y = batches(1)[0]
         loss_fn(m, x, y).backward()
         assert all(p.numel() == 0 and p.grad is None for p in m.parameters())
-        assert opt.coordinator.eager_reductions == len(opt.layout.trainable_gids())  # world 1: during backward
+        assert opt.coordinator.stats().eager_reductions == len(opt.layout.trainable_gids())  # world 1: in backward
         opt.step()
         keys = set(opt.store.keys())
         gid = opt.layout.trainable_gids()[0]
@@ -225,22 +164,6 @@ def test_state_dict_round_trip_continues_identically(tmp_path):
         opt2.load_state_dict(torch.optim.AdamW(nn.Linear(2, 2).parameters()).state_dict())
     opt.close()
     opt2.close()
-
-
-class Odd(nn.Module):
-    """Tied weights, an unused layer and a module called twice per forward (also used by test_zero_dist)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(10, 8)
-        self.block = nn.Linear(8, 8)
-        self.unused = nn.Linear(8, 8)
-        self.out = nn.Linear(8, 10, bias=False)
-        self.out.weight = self.emb.weight  # tied
-
-    def forward(self, idx):
-        h = torch.tanh(self.block(self.emb(idx)))
-        return self.out(torch.tanh(self.block(h)))  # block called twice
 
 
 def test_unused_tied_and_reused_modules(tmp_path):
@@ -403,16 +326,18 @@ def test_dynamic8_fused_step_matches_the_unfused_path(tmp_path, monkeypatch):
         opt = Zero3Optimizer(m, torch.optim.AdamW, lr=3e-3, weight_decay=0.1,
                              config=cfg(tmp_path / str(fused), states="nvme", state_codec="dynamic8",
                                         min_io_bytes=1 << 14, sub_group_bytes=1 << 14))
-        assert opt._fused8
-        opt._fused8 = fused
+        if not fused:  # private: no option selects the unfused path where the fused kernel applies
+            monkeypatch.setattr(opt, "_fused8", False)
         calls.clear()
         for x, y in batches(8, d=64):
             loss_fn(m, x, y).backward()
             opt.step()
             opt.zero_grad()
-        quantized = sum(1 for gid in opt.layout.trainable_gids() if (gid, "exp_avg") in opt._qs)
-        assert quantized >= 2
-        assert len(calls) == (7 * quantized if fused else 0)  # every step but the first, which creates the states
+        st = opt.stats()
+        quantized = st.quantized_states // 2  # sub-groups whose exp_avg and exp_avg_sq are both 8-bit
+        assert quantized >= 2 and st.quantized_states == 2 * quantized
+        # every step but the first, which creates the states, went through the kernel
+        assert len(calls) == st.fused_steps == (7 * quantized if fused else 0)
         results[fused] = (opt.full_state_dict(), opt.state_dict())
         opt.close()
     (full_f, sd_f), (full_u, sd_u) = results[True], results[False]
@@ -455,7 +380,7 @@ def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(tmp_path):
             opt.step()
             opt.zero_grad()
             losses.append(float(loss.detach()))
-        skipped = opt._scaler.skipped
+        skipped = opt.stats().overflow_skips
         assert skipped >= 1 and opt.loss_scale == 2.0 ** (20 - skipped)  # halved once per overflow
         assert skipped < 12, "training never resumed"
         assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[skipped]
@@ -467,7 +392,7 @@ def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(tmp_path):
         b2 = opt2.full_state_dict()
         opt2.backward(loss_fn(opt2.model, data[0][0].half(), data[0][1].half()))
         opt2.step()
-        assert opt2._scaler.skipped == 1 and all(torch.equal(b2[k], v) for k, v in opt2.full_state_dict().items())
+        assert opt2.stats().overflow_skips == 1 and all(torch.equal(b2[k], v) for k, v in opt2.full_state_dict().items())
         opt2.close()
     finally:
         opt.close()
@@ -480,7 +405,7 @@ def test_eval_under_no_grad_matches_and_releases(tmp_path):
         x, _ = batches(1)[0]
         with torch.no_grad():
             assert torch.equal(z_m(x), ref_m(x))
-        assert all(p.numel() == 0 for p in z_m.parameters()) and not opt.coordinator._live
+        assert all(p.numel() == 0 for p in z_m.parameters()) and not opt.coordinator.stats().buckets_held
         with opt.gathered():
             assert torch.equal(z_m.fc2.weight, ref_m.fc2.weight)
         assert all(p.numel() == 0 for p in z_m.parameters())
@@ -581,8 +506,8 @@ def test_frozen_buckets_are_released_during_backward(tmp_path):
             x = x.requires_grad_()  # so the first layer reports the end of its backward too
             for layer in self.base:
                 x = torch.tanh(layer(x))
-                x.register_hook(lambda g: live.append(sum(1 for b in opt.coordinator._live
-                                                          if b not in opt.coordinator._trainable_in)))
+                x.register_hook(lambda g: live.append(len(opt.coordinator.stats().buckets_held
+                                                          - set(opt.layout.trainable_gids()))))
             return self.head(x)
     m = Model()
     opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path, min_io_bytes=0))
@@ -609,22 +534,6 @@ def test_frozen_buckets_are_released_during_backward(tmp_path):
         opt.close()
 
 
-class Checkpointed(nn.Module):
-    """Residual blocks run under torch.utils.checkpoint (their forward runs again inside backward)."""
-
-    def __init__(self, reentrant: bool):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)) for _ in range(4))
-        self.head = nn.Linear(16, 4)
-        self.reentrant = reentrant
-
-    def forward(self, x):
-        from torch.utils.checkpoint import checkpoint
-        for b in self.blocks:
-            x = x + checkpoint(b, x, use_reentrant=self.reentrant)
-        return self.head(x)
-
-
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_activation_checkpointing_matches_torch(tmp_path, reentrant):
     """Recomputed forwards gather what they miss and release nothing the recomputed nodes still read; the
@@ -642,7 +551,8 @@ def test_activation_checkpointing_matches_torch(tmp_path, reentrant):
                 o.step()
                 o.zero_grad()
         assert max_rel(opt.full_state_dict(), ref) <= 1e-6
-        assert opt.coordinator.trace.rebuilds == 0 and opt.coordinator.prefetch_hits > 0
+        st = opt.coordinator.stats()
+        assert st.trace_rebuilds == 0 and st.prefetch_hits > 0
     finally:
         opt.close()
 
@@ -775,7 +685,8 @@ def test_external_parameter_used_by_another_module(tmp_path):
     opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path / "a", min_io_bytes=0))
     with pytest.raises(RuntimeError):  # undeclared: the weight is released (empty) when the head runs
         m(idx)
-    assert opt.coordinator._in_forward == 0 and not opt.coordinator._live  # the failed forward cleaned up
+    st = opt.coordinator.stats()
+    assert not st.in_forward and not st.buckets_held and not st.reads_in_flight  # the failed forward cleaned up
     opt.close()
     m = copy.deepcopy(ref)
     m.head._emb = [m.emb]
@@ -877,13 +788,13 @@ class Sometimes(nn.Module):
 
 def _sometimes_run(tmp_path, opt_cls, kwargs, steps=12, **cfg_kw):
     """Zero3 and torch side by side; extra unused at steps 0, 3, 6, ... Returns (zero full state, torch model,
-    steps whose sub-groups mixed stepped and skipped elements, whether extra stayed put while skipped)."""
+    sub-group steps that mixed stepped and skipped elements, whether extra stayed put while skipped)."""
     torch.manual_seed(0)
     ref_m = Sometimes()
     z_m = copy.deepcopy(ref_m)
     ref = opt_cls(ref_m.parameters(), **kwargs)
     opt = Zero3Optimizer(z_m, opt_cls, config=cfg(tmp_path, **cfg_kw), **kwargs)
-    mixed, still = 0, True
+    still = True
     try:
         for i, (x, y) in enumerate(batches(steps)):
             for m in (ref_m, z_m):
@@ -893,11 +804,10 @@ def _sometimes_run(tmp_path, opt_cls, kwargs, steps=12, **cfg_kw):
                 loss_fn(m, x, y).backward()
                 o.step()
                 o.zero_grad()
-            mixed += bool(opt._skip_runs)
             if before is not None:
                 after = opt.full_state_dict()
                 still = still and all(torch.equal(before[k], after[k]) for k in ("extra.weight", "extra.bias"))
-        return opt.full_state_dict(), ref_m, mixed, still
+        return opt.full_state_dict(), ref_m, opt.stats().partly_skipped, still
     finally:
         opt.close()
 

@@ -6,17 +6,15 @@ from __future__ import annotations
 import os
 import random
 import signal
-import sys
 import time
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_zero import Net, batches, cfg, loss_fn, make_pair  # noqa: E402
-
-from tierstore.errors import CorruptionError, TierstoreValueError  # noqa: E402
-from tierstore.zero import Zero3Optimizer, consolidate  # noqa: E402
+from tests.support import Deep, Net, batches, cfg, loss_fn, make_pair, peak_growth, rss_follows_live_memory, run_isolated
+from tests.support.dist import context
+from tierstore.errors import CorruptionError, TierstoreValueError
+from tierstore.zero import Zero3Optimizer, consolidate
 
 
 def train(m, opt, data):
@@ -159,7 +157,8 @@ def _child(root: str) -> None:
                                                                    sub_group_bytes=1 << 20, min_io_bytes=1 << 18))
     if (root / "ckpt" / "latest").exists():
         opt.load_checkpoint(root / "ckpt")
-    (root / "started").write_text(str(opt.steps))
+    (root / "started.tmp").write_text(str(opt.steps))
+    os.replace(root / "started.tmp", root / "started")  # whole: the parent reads it as soon as it exists
     for x, y in batches(400, seed=11)[opt.steps:]:
         loss_fn(m, x, y).backward()
         opt.step()
@@ -175,9 +174,7 @@ def _latest_step(d) -> int:
 
 
 def test_kill_9_during_save_leaves_a_loadable_checkpoint(tmp_path):
-    import multiprocessing as mp
-    ctx = mp.get_context("forkserver")  # torch and the optimizer preloaded once: each child starts at once
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "tierstore.zero", "test_zero"])
+    ctx = context()  # torch and the optimizer preloaded once in a fork server: each child starts at once
     rng = random.Random(1234)
     seen = []
     threads = torch.get_num_threads()
@@ -238,7 +235,7 @@ def _flip(path: str, offset: int) -> None:
 
 
 def test_damaged_record_index_or_size_is_reported_with_file_and_offset(tmp_path):
-    from tierstore.zero.checkpoint import _RecordFile, read_meta
+    from tierstore.zero.checkpoint import _RecordFile, read_meta  # private reader: finds the byte to damage
     _, m = make_pair()
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path / "a"))
     train(m, opt, batches(2))
@@ -288,14 +285,11 @@ def test_unknown_versions_are_refused_naming_them(tmp_path):
     assert ckpt.VERSION == 3
 
 
-def _measure_save_load(root: str, out: str) -> None:
+def _measure_save_load(root: str) -> dict:
     """In a fresh process: peak RSS growth during save_checkpoint and load_checkpoint of a 17 sub-group model
     whose states live on nvme (so the shard is not already in memory)."""
-    import ctypes
     import pathlib
-    ctypes.CDLL(None).mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: RSS follows live memory (see test_zero_init)
-    torch.set_num_threads(1)  # as _child: a forked process must not use the OpenMP pool (it hung without this)
-    from test_zero_init import Deep, _peak_growth
+    rss_follows_live_memory()
     root = pathlib.Path(root)
     kw = dict(sub_group_bytes=1 << 20, min_io_bytes=256 << 10)
     torch.manual_seed(0)
@@ -306,7 +300,7 @@ def _measure_save_load(root: str, out: str) -> None:
     opt.step()
     opt.zero_grad()
     opt.save_checkpoint(root / "warm")  # one-time costs (first file writes, lazy imports) are not measured
-    saved, _ = _peak_growth(lambda: opt.save_checkpoint(root / "ckpt"))
+    saved, _ = peak_growth(lambda: opt.save_checkpoint(root / "ckpt"))
     gids = opt.layout.trainable_gids()
     sub = max(opt.layout.shard_numel(g) for g in gids) * 4 * 3  # bytes: master + exp_avg + exp_avg_sq
     shard = sum(opt.layout.shard_numel(g) for g in gids) * 4 * 3  # bytes
@@ -316,26 +310,15 @@ def _measure_save_load(root: str, out: str) -> None:
     m2 = Deep(layers=16, width=512)
     opt2 = Zero3Optimizer(m2, torch.optim.AdamW, lr=1e-3, config=cfg(root / "b", "device", "nvme", "nvme", **kw))
     opt2.load_checkpoint(root / "warm")
-    loaded, _ = _peak_growth(lambda: opt2.load_checkpoint(root / "ckpt"))
+    loaded, _ = peak_growth(lambda: opt2.load_checkpoint(root / "ckpt"))
     got = opt2.full_state_dict()
     opt2.close()
-    torch.save({"saved": saved, "loaded": loaded, "sub": sub, "shard": shard, "subgroups": len(gids),
-                "equal": all(torch.equal(got[k], want[k]) for k in want)}, out)
+    return {"saved": saved, "loaded": loaded, "sub": sub, "shard": shard, "subgroups": len(gids),
+            "equal": all(torch.equal(got[k], want[k]) for k in want)}
 
 
 def test_save_and_load_stream_one_sub_group_at_a_time(tmp_path):
-    import multiprocessing as mp
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "tierstore.zero", "test_zero"])
-    out = str(tmp_path / "mem.pt")
-    p = ctx.Process(target=_measure_save_load, args=(str(tmp_path), out), daemon=True)
-    p.start()
-    p.join(120)
-    if p.is_alive():
-        p.kill()
-        p.join(10)
-    assert p.exitcode == 0, p.exitcode
-    r = torch.load(out)
+    r = run_isolated(_measure_save_load, str(tmp_path), timeout=120)  # torch threads: 1, as in _child
     mib = 2 ** 20
     print(f"{r['subgroups']} sub-groups of <= {r['sub'] / mib:.1f} MiB (master + 2 states), shard "
           f"{r['shard'] / mib:.1f} MiB: peak RSS +{r['saved'] / mib:.1f} MiB during save, +{r['loaded'] / mib:.1f} "

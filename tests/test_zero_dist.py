@@ -3,31 +3,17 @@ parity with a single-process run on the full batch, unused/tied/reused modules, 
 checkpoints written at one world size and loaded at another."""
 from __future__ import annotations
 
-import datetime
 import os
-import socket
-import sys
 import time
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_zero import Net, Odd, batches, loss_fn, make_pair, max_rel  # noqa: E402
-
-from tierstore.zero import OffloadConfig, Zero3Optimizer  # noqa: E402
+from tests.support import Branchy, Checkpointed, Net, Odd, batches, loss_fn, make_pair, max_rel, run_ranks
+from tierstore.zero import OffloadConfig, Zero3Optimizer
 
 STEPS = 10
-TIMEOUT = 150  # seconds for a whole spawn
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def odd_data(n):
@@ -246,7 +232,7 @@ def sc_quant(rank, world, root):
         with torch.no_grad():
             res[name] = float(loss_fn(m, *data[25]))
         if kw.get("state_codec"):
-            res[name + ".8bit_states"] = len(opt._qs)  # states really stored in 8 bits
+            res[name + ".8bit_states"] = opt.stats().quantized_states  # states really stored in 8 bits
         opt.close()
     return res
 
@@ -289,7 +275,7 @@ def sc_split_heads(rank, world, root):
         opt.step()
         opt.zero_grad()
     out = opt.full_state_dict()
-    out["counters"] = {"early": opt.coordinator.early_reductions, "buckets": len(opt.layout.trainable_gids())}
+    out["counters"] = {"early": opt.coordinator.stats().early_reductions, "buckets": len(opt.layout.trainable_gids())}
     opt.close()
     return out
 
@@ -305,8 +291,8 @@ def sc_late(rank, world, root):
         opt.step()
         opt.zero_grad()
     out = opt.full_state_dict()
-    co = opt.coordinator
-    out["counters"] = {"early": co.early_reductions, "again": co.rereductions}
+    st = opt.coordinator.stats()
+    out["counters"] = {"early": st.early_reductions, "again": st.rereductions}
     opt.close()
     return out
 
@@ -338,11 +324,12 @@ def sc_grad_memory(rank, world, root):
     peaks = []
     for x, y in batches(4, d=32):
         loss_fn(m, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-        peaks.append(co.peak_grad_bytes)
-        assert co.grad_bytes == 0 and all(p.grad is None for p in m.parameters())
+        st = co.stats()
+        peaks.append(st.peak_grad_bytes)
+        assert st.grad_bytes == 0 and all(p.grad is None for p in m.parameters())
         opt.step()
         opt.zero_grad()
-    out = {"peaks": peaks, "early": co.early_reductions, "total": sum(4 * torch.Size(shape).numel() for shape, _dt, _rg in opt.layout.specs.values()),
+    out = {"peaks": peaks, "early": co.stats().early_reductions, "total": sum(4 * torch.Size(shape).numel() for shape, _dt, _rg in opt.layout.specs.values()),
            "layer": 4 * (32 * 32 + 32)}
     opt.close()
     return out
@@ -360,7 +347,7 @@ def sc_accumulate(rank, world, root):
         opt.step()
         opt.zero_grad()
     out = opt.full_state_dict()
-    out["counters"] = {"early": opt.coordinator.early_reductions}
+    out["counters"] = {"early": opt.coordinator.stats().early_reductions}
     opt.close()
     return out
 
@@ -394,7 +381,6 @@ def sc_frozen_base(rank, world, root):
 
 def sc_recompute(rank, world, root):
     """Non-reentrant activation checkpointing at world size N: recomputed forwards gather on demand."""
-    from test_zero import Checkpointed
     torch.manual_seed(0)
     m = Checkpointed(reentrant=False)
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2,
@@ -408,7 +394,6 @@ def sc_recompute(rank, world, root):
 def sc_prefetch(rank, world, root):
     """All-gathers posted ahead of the trace and of the backward cursor; the branch changes at steps 4 and 6
     (the same on every rank), so some posted all-gathers go unused."""
-    from test_zero_init import Branchy
     torch.manual_seed(0)
     m = Branchy()
     # depth 1 on this 3-module model: all-gathers one module ahead, reads two ahead (both stages in use)
@@ -422,14 +407,22 @@ def sc_prefetch(rank, world, root):
         opt.step()
         opt.zero_grad()
         if i == 3:
-            before_change = {"hits": co.gather_hits, "backward": co.gather_hits_backward, "dropped": co.gathers_dropped}
+            st = co.stats()
+            before_change = {"hits": st.gather_hits, "backward": st.gather_hits_backward, "dropped": st.gathers_dropped}
     out = opt.full_state_dict()
-    out["counters"] = {"before_change": before_change, "hits": co.gather_hits, "dropped": co.gathers_dropped,
-                       "ahead": co.gathers_ahead, "most_ahead": co.most_ahead, "rebuilds": co.trace.rebuilds,
-                       "staged": co.stage.staged, "copies": co.stage.copies, "pending": len(co._pending),
-                       "most_per_module": max(len(g) for g in co._module_gids.values())}
+    st = co.stats()
+    out["counters"] = {"before_change": before_change, "hits": st.gather_hits, "dropped": st.gathers_dropped,
+                       "ahead": st.gathers_ahead, "most_ahead": st.most_ahead, "rebuilds": st.trace_rebuilds,
+                       "staged": st.staged, "copies": st.staged_copies, "pending": st.gathers_in_flight,
+                       "most_per_module": most_buckets_per_module(m, opt.layout)}
     opt.close()
     return out
+
+
+def most_buckets_per_module(model, layout) -> int:
+    """The most buckets one module's own parameters lie in: what one module's gather brings in."""
+    return max(len({g for n, _p in mod.named_parameters(prefix=prefix, recurse=False) for g in layout.param_gids[n]})
+               for prefix, mod in model.named_modules())
 
 
 def sc_qwz_prefetch(rank, world, root):
@@ -443,7 +436,8 @@ def sc_qwz_prefetch(rank, world, root):
         qc.reset_traffic()
         train(m, opt, batches(4), rank, world)
         sent = qc.traffic()["all_gather_quantized"]
-        out[depth] = {"hits": opt.coordinator.gather_hits, "gathers": opt.coordinator.gathers,
+        st = opt.coordinator.stats()
+        out[depth] = {"hits": st.gather_hits, "gathers": st.gathers,
                       "bytes": sent.bytes_sent, "calls": sent.calls, "state": opt.full_state_dict()}
         opt.close()
     return out
@@ -497,58 +491,14 @@ BACKWARD = ["split_heads", "late", "fork", "grad_memory", "accumulate", "odd_spl
             "gated", "frozen_base", "recompute"]
 
 
-def _worker(rank, world, port, root, names):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+def run_scenarios(rank, world, root, names):
+    """Every scenario in `names`, in order, on this rank (one launch per world size: ranks are slow to start)."""
     out = {"seconds": {}}
-    try:
-        for n in names:
-            try:
-                t0 = time.perf_counter()
-                out[n] = SCENARIOS[n](rank, world, root)
-                out["seconds"][n] = time.perf_counter() - t0
-            except Exception:
-                out[n] = {"error": traceback.format_exc()}
-                raise
-    finally:
-        torch.save(out, os.path.join(root, f"result{rank}.pt"))
-        dist.destroy_process_group()
-
-
-def spawn_ranks(worker, world, root, *args) -> list[dict]:
-    """Run worker(rank, world, port, root, *args) on `world` ranks and return what each saved in
-    root/result<rank>.pt; a rank's error, a hang (TIMEOUT) or a bad exit code fails the test.
-    forkserver with torch (and torch._dynamo, which the first optimizer imports) preloaded: each rank is a
-    fork of a process that paid the ~5 s of imports once, instead of paying it per rank."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "tierstore.zero", "test_zero"])
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, str(root), *args), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    results = []
-    for r in range(world):
-        path = os.path.join(root, f"result{r}.pt")
-        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
-    errors = [res[n]["error"] for res in results for n in res if isinstance(res[n], dict) and "error" in res[n]]
-    assert not errors, errors[0]
-    assert not hung, f"ranks {hung} still running after {TIMEOUT} s (hang)"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return results
-
-
-def run_world(world, root, names):
-    results = spawn_ranks(_worker, world, root, names)
-    print(f"world {world}: seconds per scenario on rank 0: {results[0]['seconds']}")
-    return results
+    for n in names:
+        t0 = time.perf_counter()
+        out[n] = SCENARIOS[n](rank, world, root)
+        out["seconds"][n] = time.perf_counter() - t0
+    return out
 
 
 _RUNS: dict = {}
@@ -563,7 +513,9 @@ def results_for(world, tmp_path_factory):
         else:  # world 4 also resumes from the checkpoint world 2 wrote
             (root / "from2").write_text(os.path.join(results_for(2, tmp_path_factory)[1], "ckpt"))
             names = ["resume_other_world", "two_heads", "parity", "odd", "checkpoint", "quant"] + BACKWARD
-        _RUNS[world] = (world, str(root), run_world(world, root, names))
+        results = run_ranks(run_scenarios, world, str(root), names)
+        print(f"world {world}: seconds per scenario on rank 0: {results[0]['seconds']}")
+        _RUNS[world] = (world, str(root), results)
     return _RUNS[world]
 
 
@@ -592,7 +544,6 @@ def test_frozen_base_released_in_backward_keeps_parity(world_results):
 
 
 def test_activation_checkpointing_keeps_parity(world_results):
-    from test_zero import Checkpointed
     world, _root, res = world_results
     torch.manual_seed(0)
     ref_m = Checkpointed(reentrant=False)
@@ -784,7 +735,6 @@ def test_gradient_accumulation_matches_single_process(world_results):
 # -- prefetch: all-gathers posted ahead ([Note: prefetch stages] in prefetch.py) -----------------------------------
 
 def test_all_gathers_posted_ahead_are_used_and_an_order_change_neither_hangs_nor_changes_results(world_results):
-    from test_zero_init import Branchy
     world, _root, res = world_results
     torch.manual_seed(0)
     ref = Branchy()

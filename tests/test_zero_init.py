@@ -4,76 +4,35 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
-import sys
+import pathlib
 
 import pytest
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_zero import Net, batches, cfg, loss_fn, max_rel  # noqa: E402
-
-from tierstore.errors import MisuseError, TierstoreValueError  # noqa: E402
-from tierstore.zero import Init, TiledLinear, Zero3Optimizer  # noqa: E402
-
-
-def _status(field: str) -> int:  # bytes
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
+from tests.support import (Branchy, Deep, Net, batches, cfg, loss_fn, max_rel, peak_growth, rss_follows_live_memory,
+                           run_isolated)
+from tierstore.errors import MisuseError, TierstoreValueError
+from tierstore.zero import Init, TiledLinear, Zero3Optimizer
 
 
-def _peak_growth(fn) -> tuple[int, object]:
-    """Bytes the process's peak RSS rose above its RSS before fn() (peak reset via /proc/self/clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status("VmRSS")
-    out = fn()
-    return _status("VmHWM") - before, out
-
-
-class Deep(nn.Module):
-    def __init__(self, layers=12, width=1024):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
-def _measure_build(root: str, out: str) -> None:
+def _measure_build(root: str) -> dict:
     """In a fresh process: peak RSS growth while building Deep() plainly and under zero.Init (nvme)."""
-    import ctypes
-    # glibc raises its mmap threshold after the first large free, then keeps freed layers in the heap, so
-    # RSS would count memory that is free; a fixed threshold makes RSS follow live memory (M_MMAP_THRESHOLD)
-    ctypes.CDLL(None).mallopt(-3, 128 << 10)
-    c = cfg(__import__("pathlib").Path(root), params="nvme", states="host", grads="host", pinned_bytes=4 << 20)
-    plain, _ = _peak_growth(lambda: Deep())
+    rss_follows_live_memory()
+    c = cfg(pathlib.Path(root), params="nvme", states="host", grads="host", pinned_bytes=4 << 20)
+    plain, _ = peak_growth(lambda: Deep())
     with Init(c) as init:
         # Warm up first: the first layer offloaded starts the engine's threads, loads native libraries and
         # imports what the store needs on first use. That one-time cost varied with the process (7-17 MiB
         # seen), and it is not what this test measures: memory per layer built.
         Deep(layers=1)
-        grown, model = _peak_growth(lambda: Deep())
+        grown, model = peak_growth(lambda: Deep())
         ok = init.offloaded == 26 and all(p.numel() == 0 for p in model.parameters())
-    torch.save({"plain": plain, "grown": grown, "ok": ok}, out)
+    return {"plain": plain, "grown": grown, "ok": ok}
 
 
 def test_init_peak_memory_is_about_one_layer(tmp_path):
-    import multiprocessing as mp
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "tierstore.zero", "test_zero"])
-    out = str(tmp_path / "mem.pt")
-    p = ctx.Process(target=_measure_build, args=(str(tmp_path), out))
-    p.start()
-    p.join(120)
-    assert p.exitcode == 0, p.exitcode
-    r = torch.load(out)
+    r = run_isolated(_measure_build, str(tmp_path), timeout=120)
     layer = 1024 * 1024 * 4  # bytes of one layer's weight
     print(f"building 12 x 4 MiB layers: peak RSS +{r['plain'] / 2**20:.1f} MiB plain, +{r['grown'] / 2**20:.1f} "
           f"MiB under zero.Init (one layer = {layer / 2**20:.0f} MiB)")
@@ -89,7 +48,7 @@ def test_init_then_optimizer_equals_plain_build(tmp_path):
     with Init(cfg(tmp_path / "i", params="nvme")) as init:
         m = Net()
     assert init.offloaded == len(list(ref.parameters()))
-    assert m.fc1.weight._tierstore_init.shape == (32, 16)
+    assert m.fc1.weight._tierstore_init.shape == (32, 16)  # the handle init.py documents for users
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path / "o", params="nvme"))
     assert init.store is None  # every value was taken and the init store closed
     full = opt.full_state_dict()
@@ -114,10 +73,10 @@ def test_init_large_parameter_in_chunks_taken_bucket_by_bucket(tmp_path):
     torch.manual_seed(0)
     with Init(c) as init:
         m = nn.Linear(600, 600)
-    assert len(m.weight._tierstore_init.keys) == 2 and init._live == 3
-    deleted = []
-    orig = init._discard
-    init._discard = lambda key: (deleted.append((key, len(init.store.keys()))), orig(key))
+    assert len(m.weight._tierstore_init.keys) == 2 and init.stored_chunks == 3
+    deleted = []  # chunks in the Init store at each delete the optimizer's construction makes
+    store, delete = init.store, init.store.delete
+    store.delete = lambda key: (deleted.append((key, len(store.keys()))), delete(key))
     opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path / "o", params="host",
                                                                 sub_group_bytes=256 << 10, min_io_bytes=64 << 10))
     assert len(opt.layout.param_gids["weight"]) >= 5  # split over buckets
@@ -137,7 +96,7 @@ def test_module_built_under_init_but_not_optimized_fails_clearly(tmp_path):
         m(x)  # before the optimizer took the parameters
     opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path / "o"))
 
-    def guards(mod):
+    def guards(mod):  # torch's table of forward pre-hooks: whether the guards removed themselves
         return [h for h in mod._forward_pre_hooks.values() if "_guard_unclaimed" in h.__qualname__]
     assert guards(m.fc1) and guards(stray)
     m(x)  # now taken: the guards of m's modules removed themselves
@@ -161,9 +120,9 @@ def test_weight_replaced_by_tying_is_freed_from_the_init_store(tmp_path):
     init = Init(c)
     with init:
         m = Tied()
-    assert init._live == 1  # the embedding's chunk only
+    assert init.stored_chunks == 1  # the embedding's chunk only
     opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=c)
-    assert init._live == 0 and init.store is None  # everything taken: the Init store is closed
+    assert init.stored_chunks == 0 and init.store is None  # everything taken: the Init store is closed
     m(torch.tensor([[1, 2, 3]])).sum().backward()
     opt.step()
     opt.close()
@@ -202,8 +161,9 @@ def test_tiled_linear_equals_linear_and_gathers_one_tile_at_a_time(tmp_path):
 
     def spy(gids):
         orig(gids)
-        tiles = sum(1 for g in opt.coordinator._live if opt.layout.bucket(g).payload_numel >= 640)  # weight tiles
-        live.append(("forward" if opt.coordinator._in_forward else "backward", tiles))
+        st = opt.coordinator.stats()
+        tiles = sum(1 for g in st.buckets_held if opt.layout.bucket(g).payload_numel >= 640)  # weight tiles
+        live.append(("forward" if st.in_forward else "backward", tiles))
     opt.coordinator.gather = spy
     x = torch.randn(4, 96)
     m(x).square().mean().backward()
@@ -218,21 +178,6 @@ def test_tiled_linear_equals_linear_and_gathers_one_tile_at_a_time(tmp_path):
     assert max(bwd) <= 2  # backward: a tile is released when its gradient lands, after the next one's gather
     assert max_rel(opt.full_state_dict(), ref) <= 1e-6
     opt.close()
-
-
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
-        self.c = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 4)
-        self.use_b = False
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        h = torch.tanh(self.b(h)) if self.use_b else torch.tanh(self.c(h))
-        return self.head(h)
 
 
 def test_traced_prefetch_hits_and_rebuilds_on_order_change(tmp_path, caplog):
@@ -254,13 +199,15 @@ def test_traced_prefetch_hits_and_rebuilds_on_order_change(tmp_path, caplog):
                 o.step()
                 o.zero_grad()
             if i == 3:
-                assert co.trace.order and not co.trace.recording and co.prefetch_hits - co.prefetch_hits_backward > 0
-                assert co.prefetch_hits_backward > 0  # backward walks the trace in reverse
-                assert co.trace.rebuilds == 0
-    assert co.trace.rebuilds >= 2
+                st = co.stats()
+                assert co.trace.order and not co.trace.recording and st.prefetch_hits - st.prefetch_hits_backward > 0
+                assert st.prefetch_hits_backward > 0  # backward walks the trace in reverse
+                assert st.trace_rebuilds == 0
+    st = co.stats()
+    assert st.trace_rebuilds >= 2
     assert any("order changed" in r.getMessage() for r in caplog.records)
-    assert not co._prefetched  # nothing left in flight
-    assert co.stage.staged >= co.prefetch_hits > 0  # every shard read ahead went through the host->device stage
-    assert co.stage.copies == 0 and co.gathers_ahead == 0  # CPU: the stage hands shards through; world 1: no collective
+    assert st.reads_in_flight == 0 and st.gathers_in_flight == 0  # nothing left in flight
+    assert st.staged >= st.prefetch_hits > 0  # every shard read ahead went through the host->device stage
+    assert st.staged_copies == 0 and st.gathers_ahead == 0  # CPU: the stage hands shards through; world 1: no collective
     assert max_rel(opt.full_state_dict(), ref) <= 1e-6  # parity with prefetching and order changes
     opt.close()

@@ -3,22 +3,15 @@ while building it, the optimizer's shards equal a plain build's bit for bit (fp3
 NaN payloads kept), training matches, and mismatched groups or unclaimed parameters fail clearly."""
 from __future__ import annotations
 
-import datetime
 import os
-import sys
-import traceback
 
 import pytest
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_zero import batches, loss_fn  # noqa: E402
-from test_zero_dist import spawn_ranks  # noqa: E402
-from test_zero_init import Deep, _peak_growth  # noqa: E402
-
-from tierstore.errors import MisuseError, TierstoreValueError  # noqa: E402
-from tierstore.zero import Init, OffloadConfig, Zero3Optimizer  # noqa: E402
+from tests.support import Deep, batches, loss_fn, peak_growth, rss_follows_live_memory, run_ranks
+from tierstore.errors import MisuseError, TierstoreValueError
+from tierstore.zero import Init, OffloadConfig, Zero3Optimizer
 
 WORLD = 2
 
@@ -81,23 +74,22 @@ class MixedNaN(Mixed):
 def sc_memory(rank, world, root):
     """Peak RSS growth while building 12 x 4 MiB layers under Init (params on host: what a rank keeps stays in
     memory, so the 1/N is what is measured), then the shards equal a plain build's."""
-    import ctypes
-    ctypes.CDLL(None).mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: see test_zero_init._measure_build
+    rss_follows_live_memory()
     c = zcfg(root, f"mem{rank}", params="host", optimizer_states="host", gradients="host",
              sub_group_bytes=8 << 20, min_io_bytes=1 << 20, pinned_bytes=4 << 20)
     torch.manual_seed(0)
-    plain_growth, plain = _peak_growth(lambda: Deep())
+    plain_growth, plain = peak_growth(lambda: Deep())
     plain_full = _gather_plain(plain, c)
     del plain
     with Init(c) as init:
         Deep(layers=1)  # warm up (engine threads, lazy imports): see test_zero_init._measure_build
         stored_before = init.offloaded_bytes
         torch.manual_seed(0)
-        grown, model = _peak_growth(lambda: Deep())
+        grown, model = peak_growth(lambda: Deep())
         stored = init.offloaded_bytes - stored_before
     opt = Zero3Optimizer(model, torch.optim.SGD, lr=0.1, config=c)
     mismatched = _same_bits(opt.full_state_dict(), plain_full)
-    left = init._live  # chunks still stored: none (the warm-up layer, never taken, freed them when dropped)
+    left = init.stored_chunks  # chunks still stored: none (the warm-up layer, never taken, freed them when dropped)
     opt.close()
     return {"plain": plain_growth, "grown": grown, "stored": stored, "mismatched": mismatched, "left": left}
 
@@ -213,27 +205,13 @@ def sc_errors(rank, world, root):
 SCENARIOS = {"memory": sc_memory, "bits": sc_bits, "training": sc_training, "errors": sc_errors}
 
 
-def _worker(rank, world, port, root):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    out = {}
-    try:
-        for name, fn in SCENARIOS.items():
-            try:
-                out[name] = fn(rank, world, root)
-            except Exception:
-                out[name] = {"error": traceback.format_exc()}
-                raise
-    finally:
-        torch.save(out, os.path.join(root, f"result{rank}.pt"))
-        dist.destroy_process_group()
+def run_scenarios(rank, world, root):
+    return {name: fn(rank, world, root) for name, fn in SCENARIOS.items()}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return spawn_ranks(_worker, WORLD, tmp_path_factory.mktemp("init-world2"))
+    return run_ranks(run_scenarios, WORLD, str(tmp_path_factory.mktemp("init-world2")))
 
 
 def test_init_peak_memory_at_world_2_is_a_layer_plus_half_the_model(results):

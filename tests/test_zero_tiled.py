@@ -3,16 +3,12 @@ so what Init stores equals a plain build with the same seed."""
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_zero import cfg  # noqa: E402
-
-from tierstore.zero import Init, TiledLinear, Zero3Optimizer  # noqa: E402
+from tests.support import cfg
+from tierstore.zero import Init, TiledLinear, Zero3Optimizer
 
 
 class Wrap(nn.Module):

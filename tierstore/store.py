@@ -718,6 +718,12 @@ class Store:
                                "held: once that is fixed, call flush() again") from None
         self._generation += 1
 
+    @property
+    def generation(self) -> int:
+        """The number of the last completed flush in this store's life on disk (0 before the first): a flush
+        that returned normally adds one; Store.open() starts from the one its manifest records."""
+        return self._generation
+
     def stats(self) -> dict:
         """Bytes and seconds moved into ('in') and out of ('out') each tier, budgets, tensor counts."""
         with self._lock:

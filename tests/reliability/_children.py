@@ -26,7 +26,7 @@ def store_child(d: str, oracle: str, log: str, seed: int, host_budget: int, size
     rng = random.Random(seed)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     s = Store(d, host_budget=host_budget, pinned_budget=4 << 20, buffer_bytes=1 << 20, lock_memory=False)
-    g = s._generation
+    g = s.generation
     model: dict[str, dict] = read_json(os.path.join(oracle, f"{g}.json")) if g else {}
     while True:
         for _op in range(rng.randint(1, 6)):
@@ -49,7 +49,7 @@ def store_child(d: str, oracle: str, log: str, seed: int, host_budget: int, size
         write_json_durably(os.path.join(oracle, f"{g + 1}.json"), model)
         s.flush()
         g += 1
-        assert s._generation == g, (s._generation, g)
+        assert s.generation == g, (s.generation, g)
         os.write(fd, f"{g}\n".encode())
 
 

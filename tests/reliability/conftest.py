@@ -3,10 +3,11 @@ trials and outcomes per campaign printed at the end of the run (see [Note: short
 _common.py)."""
 from __future__ import annotations
 
-import multiprocessing
 import shutil
 
 import pytest
+
+from tests.support.dist import context
 
 from ._common import SOAK, TALLY, LoopFS, loop_mount_unavailable
 
@@ -39,12 +40,9 @@ def small_ext4(tmp_path):
 
 @pytest.fixture(scope="session")
 def forkserver():
-    """A fork server with torch and tierstore imported once: each child starts at once, single-threaded
-    (forking pytest itself could inherit locks held by its threads)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numcodecs", "tierstore.store", "tierstore.zero",
-                                "tests.reliability._children"])
-    return ctx
+    """The tests' fork server (tests/support/dist.py), with torch and tierstore imported once: each child
+    starts at once, single-threaded (forking pytest itself could inherit locks held by its threads)."""
+    return context()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -16,7 +16,7 @@ from tierstore.store import Store
 from tierstore.zero import consolidate
 
 from . import _children
-from ._common import SOAK, codec_of, random_spec, record, same_bits, seeds, trial, trials, value_of
+from ._common import codec_of, random_spec, record, same_bits, seeds, trial, trials, value_of
 
 PAGE = 4096  # bytes
 

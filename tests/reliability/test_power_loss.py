@@ -51,7 +51,7 @@ def test_power_loss_mid_flush(tmp_path, power_fs, forkserver):
                 record(campaign, "shut down before the first flush")
                 continue
             with Store.open(d, lock_memory=False) as s:
-                g = s._generation
+                g = s.generation
                 assert g in (last, last + 1), (f"after the power loss the store is at generation {g}; the last "
                                                f"flush that returned before it made {last}")
                 check_store(s, read_json(os.path.join(oracle, f"{g}.json")) if g else {}, f"generation {g}")

@@ -44,7 +44,7 @@ def kill_rounds(ctx, rng, d: str, oracle: str, log: str, host_budget: int, sizes
             record(campaign, "killed before the first flush")
             continue
         with Store.open(d, lock_memory=False) as s:
-            g = s._generation
+            g = s.generation
             assert g in (last, last + 1), f"reopened generation {g}; the last flush that returned made {last}"
             check_store(s, read_json(os.path.join(oracle, f"{g}.json")) if g else {}, f"generation {g}")
             s.close(flush=False)

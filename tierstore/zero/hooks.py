@@ -107,6 +107,7 @@ from __future__ import annotations
 import logging
 import types
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -116,6 +117,33 @@ from ._layout import Layout
 from .prefetch import DeviceStage, Trace
 
 log = logging.getLogger("tierstore.zero")
+
+
+@dataclass(frozen=True)
+class CoordinatorStats:
+    """What the ZeRO-3 hooks did, as of one call to ParamCoordinator.stats() (``opt.coordinator.stats()``).
+    Counts run from the optimizer's construction unless a field says otherwise."""
+
+    gathers: int  # all-gathers issued, posted ahead or not (world size 1: copies of the shard)
+    gathers_ahead: int  # ... posted ahead of the module that uses them ([Note: prefetch stages], world size N)
+    gather_hits: int  # all-gathers posted ahead that a module then waited for
+    gather_hits_backward: int  # ... of which in backward
+    gathers_dropped: int  # all-gathers posted ahead that no module used (the order changed): waited for, dropped
+    most_ahead: int  # the most buckets gathered ahead and not yet used, at once
+    prefetch_hits: int  # shards read ahead ([Note: prefetch stages]) that a gather then used
+    prefetch_hits_backward: int  # ... of which in backward
+    staged: int  # shards read ahead that went through the host -> device stage
+    staged_copies: int  # ... of which copied on a side stream (0 with the CPU as compute device)
+    trace_rebuilds: int  # times the module order changed and the prefetch trace was re-recorded ([Note: trace])
+    eager_reductions: int  # world size 1: buckets reduced as soon as their gradients were complete
+    early_reductions: int  # world size N: buckets reduced during backward by the agreed schedule
+    rereductions: int  # buckets that received gradient after their reduction and were reduced again
+    grad_bytes: int  # bytes of full .grad alive now
+    peak_grad_bytes: int  # bytes of full .grad alive at once, at most, in the last (or current) backward
+    buckets_held: frozenset[int]  # ids (gids) of the buckets whose gathered values this rank holds now
+    reads_in_flight: int  # shards read ahead and not yet used or dropped
+    gathers_in_flight: int  # all-gathers posted ahead and not yet used or dropped
+    in_forward: bool  # a forward of the model is running (a recomputation inside backward included)
 
 
 class ParamCoordinator:
@@ -178,7 +206,7 @@ class ParamCoordinator:
         self._frozen_left: dict[int, int] = {}  # frozen gid -> entries whose backward has not finished
         self._got_grad: set[str] = set()  # parameters that received a gradient on this rank in this backward
         self.grad_names: set[str] = set()  # ... on any rank since clear_grad_flags() ([Note: no gradient])
-        # -- counters (tests, diagnostics)
+        # -- counters (tests, diagnostics; read them through stats())
         self.gathers = 0  # all-gathers issued (ahead or not)
         self.prefetch_hits = 0  # shards read ahead that were used
         self.prefetch_hits_backward = 0
@@ -220,6 +248,19 @@ class ParamCoordinator:
         for n, p in self.params.items():
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_done))
+
+    def stats(self) -> CoordinatorStats:
+        """A snapshot of the counters and of what is held now (see CoordinatorStats)."""
+        return CoordinatorStats(
+            gathers=self.gathers, gathers_ahead=self.gathers_ahead, gather_hits=self.gather_hits,
+            gather_hits_backward=self.gather_hits_backward, gathers_dropped=self.gathers_dropped,
+            most_ahead=self.most_ahead, prefetch_hits=self.prefetch_hits,
+            prefetch_hits_backward=self.prefetch_hits_backward, staged=self.stage.staged,
+            staged_copies=self.stage.copies, trace_rebuilds=self.trace.rebuilds,
+            eager_reductions=self.eager_reductions, early_reductions=self.early_reductions,
+            rereductions=self.rereductions, grad_bytes=self.grad_bytes, peak_grad_bytes=self.peak_grad_bytes,
+            buckets_held=frozenset(self._live), reads_in_flight=len(self._prefetched),
+            gathers_in_flight=len(self._pending), in_forward=self._in_forward > 0)
 
     def remove(self) -> None:
         for h in self._handles:

@@ -139,6 +139,12 @@ class Init:
         self.offloaded = 0  # parameters written to the store
         self.offloaded_bytes = 0  # bytes this rank stored (about 1/N of the parameters at world size N)
 
+    @property
+    def stored_chunks(self) -> int:
+        """Chunks of parameter values still in the Init store: written when a module was built, not yet taken
+        by an optimizer (nor freed with a parameter that was replaced). 0 once everything was taken."""
+        return self._live
+
     # -- the context ------------------------------------------------------------------------------------
     def __enter__(self) -> "Init":
         if not self.enabled:

@@ -28,6 +28,7 @@ import shutil
 import tempfile
 import threading
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -114,6 +115,22 @@ class _LossScaler:
     def load_state_dict(self, d: dict) -> None:
         if self.enabled:
             self.scale, self.good, self.skipped = d["scale"], d["good"], d["skipped"]
+
+
+@dataclass(frozen=True)
+class OptimizerStats:
+    """What Zero3Optimizer.step() did, as of one call to Zero3Optimizer.stats(). The hooks' own counters
+    (gathers, prefetch, reductions) are in ``opt.coordinator.stats()``; the store's bytes moved per tier in
+    ``opt.store.stats()``."""
+
+    steps: int  # steps taken (a step skipped for an fp16 overflow is not one); a loaded checkpoint sets it
+    overflow_skips: int  # fp16 steps skipped because a gradient overflowed (the scale halved each time); checkpointed
+    loss_scale: float  # the current fp16 loss scale (1.0 without fp16 loss scaling)
+    quantized_states: int  # optimizer states (one per sub-group and state, e.g. exp_avg) held in 8 bits now
+    fused_steps: int  # sub-group steps done by the fused 8-bit AdamW kernel ([Note: fused 8-bit step in ZeRO-3])
+    # sub-group steps on this rank that left some of its elements alone, their parameters having had no gradient
+    # ([Note: skipped parameters])
+    partly_skipped: int
 
 
 class Zero3Optimizer(torch.optim.Optimizer):
@@ -235,6 +252,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self._fused8 = self._policy is not None and config.optimizer_states == "nvme" and _fused8_capable(
             optimizer_class, self.inner.param_groups, self.device)
         self.steps = 0
+        self._fused_steps = 0  # counters read through stats()
+        self._partly_skipped = 0
         self.coordinator = ParamCoordinator(
             model, self.layout, self._params, self._fetch_param_shard, self._accumulate_grad, device=self.device,
             group=process_group, quantized_weights=config.quantized_weights and self.world_size > 1,
@@ -443,6 +462,12 @@ class Zero3Optimizer(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         return self._scaler.scale
 
+    def stats(self) -> OptimizerStats:
+        """A snapshot of the step's counters (see OptimizerStats)."""
+        return OptimizerStats(steps=self.steps, overflow_skips=self._scaler.skipped, loss_scale=self._scaler.scale,
+                              quantized_states=len(self._qs), fused_steps=self._fused_steps,
+                              partly_skipped=self._partly_skipped)
+
     def _global_grad_stats(self) -> tuple[float, bool]:
         sq = sum(s for s, _f in self._grad_stats.values())
         bad = sum(0 if f else 1 for _s, f in self._grad_stats.values())
@@ -559,6 +584,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
                     runs.append((start - lo, stop - lo))
             if runs:
                 self._skip_runs[gid] = runs
+        self._partly_skipped += len(self._skip_runs)
         return gids
 
     # [Note: in place on memory tiers]
@@ -637,6 +663,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
                     grad.mul_(coef)
                 if t["fused"]:
                     self._step_fused8(gid, t, master, grad)
+                    self._fused_steps += 1
                     continue
                 ph = self._placeholder[gid]
                 ph.data = master

@@ -1,0 +1,1 @@
+"""The test suite. Shared helpers live in tests/support (see its docstring)."""

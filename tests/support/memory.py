@@ -1,0 +1,30 @@
+"""Peak resident memory of this process, from /proc (Linux): what a test of "memory per layer" measures."""
+from __future__ import annotations
+
+import ctypes
+
+
+def status(field: str) -> int:  # bytes
+    """A size field of /proc/self/status (VmRSS, VmHWM, ...)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def peak_growth(fn) -> tuple[int, object]:
+    """Bytes the process's peak RSS rose above its RSS before fn() (peak reset via /proc/self/clear_refs),
+    and fn()'s result."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    out = fn()
+    return status("VmHWM") - before, out
+
+
+def rss_follows_live_memory() -> None:
+    """glibc raises its mmap threshold after the first large free, then keeps freed blocks in the heap, so RSS
+    would count memory that is free; a fixed threshold (M_MMAP_THRESHOLD) makes RSS follow live memory. Call
+    it first thing in the fresh process that measures."""
+    ctypes.CDLL(None).mallopt(-3, 128 << 10)
