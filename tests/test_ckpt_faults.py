@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import errno
 import os
-import sys
+
+from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_store_faults import ext4  # noqa: E402,F401  (fixture)
-from test_zero import batches, cfg, loss_fn, make_pair  # noqa: E402
+from tests.support.dist import run_ranks
+from tests.support.models import batches, loss_fn, make_pair
+from tests.support.zero import cfg
 
 import tierstore.zero.checkpoint as ckpt_mod  # noqa: E402
 from tierstore.errors import TierstoreError, TierstoreIOError  # noqa: E402
@@ -146,50 +147,37 @@ def test_full_real_disk(tmp_path, ext4):  # noqa: F811
 
 # -- world size 2: one rank fails, both raise, neither hangs ---------------------------------------------
 
-def _rank1_fails(rank, world, port, root, _unused):
-    import datetime
-
+def _rank1_fails(rank, world, root):
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     out = {}
-    try:
-        _, m = make_pair()
-        opt = Zero3Optimizer(m, torch.optim.AdamW, config=cfg(__import__("pathlib").Path(root) / f"r{rank}",
-                                                              "host", "nvme", "host"), lr=1e-2)
-        train(m, opt, batches(2))
-        ck = os.path.join(root, "ck")
-        good = opt.save_checkpoint(ck)
-        train(m, opt, batches(1, seed=5))
-        if rank == 1:
-            real = ckpt_mod._RecordWriter._write
+    _, m = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, config=cfg(Path(root) / f"r{rank}", "host", "nvme", "host"), lr=1e-2)
+    train(m, opt, batches(2))
+    ck = os.path.join(root, "ck")
+    good = opt.save_checkpoint(ck)
+    train(m, opt, batches(1, seed=5))
+    if rank == 1:
+        real = ckpt_mod._RecordWriter._write
 
-            def write(self, mv):
-                if self.at + len(mv) > 4096:
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                return real(self, mv)
-            ckpt_mod._RecordWriter._write = write
-        try:
-            opt.save_checkpoint(ck)
-            out["raised"] = None
-        except TierstoreError as e:
-            out["raised"] = (type(e).__name__, getattr(e, "errno", None), str(e))
-        dist.barrier()
-        out["left"] = sorted(os.listdir(ck))
-        out["good"] = os.path.basename(good)
-        opt.close()
-    except Exception:
-        import traceback
-        out["x"] = {"error": traceback.format_exc()}
-    finally:
-        torch.save(out, os.path.join(root, f"result{rank}.pt"))
-        dist.destroy_process_group()
+        def write(self, mv):
+            if self.at + len(mv) > 4096:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(self, mv)
+        ckpt_mod._RecordWriter._write = write
+    try:
+        opt.save_checkpoint(ck)
+        out["raised"] = None
+    except TierstoreError as e:
+        out["raised"] = (type(e).__name__, getattr(e, "errno", None), str(e))
+    dist.barrier()
+    out["left"] = sorted(os.listdir(ck))
+    out["good"] = os.path.basename(good)
+    opt.close()
+    return out
 
 
 def test_one_rank_fails_every_rank_raises(tmp_path):
-    from test_zero_dist import spawn_ranks
-    results = spawn_ranks(_rank1_fails, 2, tmp_path, None)
+    results = run_ranks(_rank1_fails, 2, str(tmp_path))
     for r, res in enumerate(results):
         kind, code, msg = res["raised"]
         assert kind == "TierstoreIOError" and code == errno.ENOSPC and "rank00001.bin" in msg, (r, msg)

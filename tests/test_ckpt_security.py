@@ -7,14 +7,13 @@ import json
 import math
 import os
 import struct
-import sys
 
 import crc32c
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_zero import batches, cfg, loss_fn, make_pair  # noqa: E402
+from tests.support.models import batches, loss_fn, make_pair
+from tests.support.zero import cfg
 
 from tierstore.errors import CorruptionError, TierstoreValueError  # noqa: E402
 from tierstore.zero import Zero3Optimizer, consolidate  # noqa: E402

@@ -12,7 +12,6 @@ import os
 import pickle
 import resource
 import struct
-import sys
 
 import crc32c
 import pytest
@@ -20,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_zero import batches, cfg, loss_fn, make_pair  # noqa: E402
+from tests.support.models import batches, loss_fn, make_pair
+from tests.support.zero import cfg
 
 from tierstore import Store  # noqa: E402
 from tierstore.errors import CorruptionError, TierstoreError  # noqa: E402
@@ -191,7 +190,7 @@ def _ext(doc, name):
 
 
 @pytest.mark.parametrize("case", ["body_list", "no_dtype", "file_-1", "shape", "huge", "file_300", "shared",
-                                  "overlap", "version", "unaligned", "past_end", "ndirs_str"])
+                                  "overlap", "version", "unaligned", "ndirs_str"])
 def test_manifest_fields_are_checked_before_anything_is_made(tmp_path, case):
     """The crafted manifests of issue 11 item 6, each with a valid crc32c."""
     dirs, values = make_store(tmp_path)
@@ -221,8 +220,6 @@ def test_manifest_fields_are_checked_before_anything_is_made(tmp_path, case):
             d["version"] = 0  # outside the checksum; the body says 1
         elif case == "unaligned":
             _ext(d, "a")["offset"] += 8
-        elif case == "past_end":
-            _ext(d, "c")["offset"] += 1 << 30
         elif case == "ndirs_str":
             b["ndirs"] = "2"
     _edit(dirs, doc, damage)
@@ -231,6 +228,26 @@ def test_manifest_fields_are_checked_before_anything_is_made(tmp_path, case):
         Store.open(dirs, stripe_unit=64 << 10, **SMALL).close(flush=False)  # refused when opened, not read
     assert e.value.filename and os.path.basename(dirs[0]) in e.value.filename, e.value
     assert listing(*dirs).keys() == before.keys()
+
+
+def test_an_extent_past_the_end_of_its_file_damages_that_tensor_only(tmp_path):
+    """An extent reaching 1 GiB past the end of its file (a truncated file, or a crafted manifest): the store
+    opens, that tensor's reads are a CorruptionError naming it -- raised before memory is allocated for it --
+    and the other tensors read exactly."""
+    dirs, values = make_store(tmp_path)
+    doc = json.load(open(os.path.join(dirs[0], "manifest.json")))
+    _edit(dirs, doc, lambda d: _ext(d, "c").update(offset=_ext(d, "c")["offset"] + (1 << 30)))
+    s = Store.open(dirs, stripe_unit=64 << 10, **SMALL)
+    try:
+        with memory_capped():
+            for read in (lambda: s.get("c"), lambda: s.get_many(["a", "c"])):
+                with pytest.raises(CorruptionError, match="tensor 'c'"):
+                    read()
+        for n in values:
+            if n != "c":
+                assert torch.equal(s.get(n), values[n]), n
+    finally:
+        s.close(flush=False)
 
 
 def test_a_codec_that_unpickles_is_refused(tmp_path):

@@ -4,8 +4,7 @@ with a tierstore error that says what to do."""
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
+import pathlib
 import threading
 import warnings
 
@@ -248,38 +247,9 @@ def test_read_only_opens_share_and_exclude_writers(tmp_path):
         Store.open(d, mode="a")
 
 
-@pytest.fixture
-def loop_fs(tmp_path):
-    """A small ext4 filesystem on a loop device; `remount_ro()` makes it read-only. Needs root and mount."""
-    if os.geteuid() != 0:
-        pytest.skip("loop-mounting a filesystem needs root")
-    if shutil.which("mkfs.ext4") is None:
-        pytest.skip("mkfs.ext4 is not installed")
-    img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
-    mnt.mkdir()
-    with open(img, "wb") as f:
-        f.truncate(64 << 20)
-    r = subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"mkfs.ext4 failed here: {r.stderr.strip()}")
-    r = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"mount -o loop refused here: {r.stderr.strip()}")
-
-    def remount_ro():
-        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True, capture_output=True)
-        with pytest.raises(OSError):
-            open(mnt / "probe", "w")
-
-    try:
-        yield mnt, remount_ro
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 @pytest.mark.parametrize("lock_file", [True, False], ids=["with-lock-file", "copied-without-lock-file"])
-def test_read_only_open_on_a_read_only_filesystem(loop_fs, lock_file):
-    mnt, remount_ro = loop_fs
+def test_read_only_open_on_a_read_only_filesystem(ext4, lock_file):
+    mnt, remount_ro = pathlib.Path(ext4.mnt), ext4.remount_ro
     d = str(mnt / "store")
     x = torch.randn(3 << 18)  # 3 MiB: streamed, not staged
     make_store(d, x=x, z=torch.empty(0, 2))
@@ -294,10 +264,10 @@ def test_read_only_open_on_a_read_only_filesystem(loop_fs, lock_file):
             s.put("y", torch.ones(1))
 
 
-def test_consolidate_reads_a_checkpoint_on_a_read_only_filesystem(loop_fs, tmp_path):
+def test_consolidate_reads_a_checkpoint_on_a_read_only_filesystem(ext4, tmp_path):
     from tierstore.zero import Zero3Optimizer, consolidate
 
-    mnt, remount_ro = loop_fs
+    mnt, remount_ro = pathlib.Path(ext4.mnt), ext4.remount_ro
     torch.manual_seed(0)
     m = TinyNet()
     opt = Zero3Optimizer(m, torch.optim.AdamW, config=zero_config(tmp_path / "nvme"), lr=1e-2)

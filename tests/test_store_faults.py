@@ -6,12 +6,9 @@ loop-mount a small ext4, met for real: a full disk and a filesystem shut down wi
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import shutil
-import struct
-import subprocess
 
 import pytest
 import torch
@@ -45,71 +42,6 @@ def reopen_values(d, names) -> dict:
         return {n: s.get(n) for n in names if n in s}
     finally:
         s.close(flush=False)
-
-
-# -- a small real filesystem ----------------------------------------------------------------------------
-
-FS_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
-SHUTDOWN_NOLOGFLUSH = 2  # like a power cut: what the journal has not committed is gone
-
-
-class Ext4:
-    """A loop-mounted ext4 image: fill it, shut it down, remount it."""
-
-    def __init__(self, image, mnt):
-        self.image, self.mnt = str(image), str(mnt)
-
-    def mount(self) -> None:
-        r = subprocess.run(["mount", "-o", "loop", self.image, self.mnt], capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(f"mount: {r.stderr.strip()}")
-
-    def umount(self) -> None:
-        subprocess.run(["umount", self.mnt], check=True, capture_output=True)
-
-    def fill(self) -> str:
-        """Write a filler file until the disk is full; returns its path."""
-        path = os.path.join(self.mnt, "filler")
-        chunk = b"\xff" * (64 << 10)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            for size in (len(chunk), 4096, 1024):
-                try:
-                    while True:
-                        os.write(fd, chunk[:size])
-                except OSError as e:
-                    assert e.errno == errno.ENOSPC
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return path
-
-    def shutdown(self) -> None:
-        fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.ioctl(fd, FS_IOC_SHUTDOWN, struct.pack("I", SHUTDOWN_NOLOGFLUSH))
-        finally:
-            os.close(fd)
-
-
-@pytest.fixture
-def ext4(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("loop-mounting an ext4 image needs root (the injected-fault tests cover the same paths)")
-    if shutil.which("mkfs.ext4") is None:
-        pytest.skip("mkfs.ext4 is not installed (e2fsprogs); the injected-fault tests cover the same paths")
-    image, mnt = tmp_path / "ext4.img", tmp_path / "mnt"
-    mnt.mkdir()
-    with open(image, "wb") as f:
-        f.truncate(24 * MiB)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", str(image)], check=True, capture_output=True)
-    fs = Ext4(image, mnt)
-    try:
-        fs.mount()
-    except RuntimeError as e:
-        pytest.skip(f"mount refused here ({e}); the injected-fault tests cover the same paths")
-    yield fs
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 # -- item 1: the directory fsync after the manifest rename fails ------------------------------------------

@@ -32,9 +32,10 @@ The crc32c catches damage, not a manifest someone wrote on purpose (they compute
 checks every field before it creates, allocates or reads anything: types and ranges, shape x dtype itemsize
 == nbytes (== the extent's length for raw bytes), a known dtype, a codec that decodes to numbers (numcodecs'
 pickle and object codecs are refused: decoding them would unpickle or build Python objects), 4 KiB-aligned
-extents of align_up(length) bytes inside extent files that exist in every directory and within each part
-file's size, no two extents overlapping, and ndirs / stripe_unit as opened. A malformed manifest is a
-CorruptionError naming the file and the field. The version is also written inside the checksummed body
+extents of align_up(length) bytes inside extent files that exist in every directory, no two extents
+overlapping, and ndirs / stripe_unit as opened. A malformed manifest is a CorruptionError naming the file
+and the field. An extent reaching past the end of its (truncated) file damages that tensor only: reading
+it is a CorruptionError naming it, raised before any memory is allocated for it. The version is also written inside the checksummed body
 (manifests from before that keep it outside only, and still open).
 
 [Note: budgets and spill]
@@ -556,6 +557,7 @@ class Store:
                     t._check_out(o, device)
                 ext = t._copies.get("nvme")
                 if t._memory_copy() is None and ext is not None and ext.length:
+                    self._nvme.check_readable(ext, f"tensor {t.name!r}")
                     t._pins += 1
                     direct = out_bytes(o) if o is not None and t.codec is IDENTITY else None
                     batch.append((t, ext, t._version, o, direct))

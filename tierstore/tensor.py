@@ -286,6 +286,7 @@ class TieredTensor:
                 version = self._version
                 self._pins += 1
             try:
+                store._nvme.check_readable(ext, f"tensor {self.name!r}")
                 # the caller's result (or out=), not a host-tier copy
                 data = into if into is not None and ext.length == self.nbytes else result_empty(ext.length)
                 try:

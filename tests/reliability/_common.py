@@ -15,9 +15,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
-import subprocess
-import time
 from collections import Counter, defaultdict
 
 import pytest
@@ -128,74 +125,3 @@ def check_store(store, want: dict[str, dict], where: str) -> None:
 
 
 # -- loop-mounted filesystems ------------------------------------------------------------------------------
-def _run(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-
-
-def loop_mount_unavailable() -> str | None:
-    """Why a loop-mounted filesystem cannot be had here (None when it can)."""
-    if os.geteuid() != 0:
-        return "loop-mounting needs root (the power-loss and full-disk campaigns mount small ext4 images)"
-    for tool in ("mkfs.ext4", "losetup", "mount", "umount"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
-    if not os.path.exists("/dev/loop-control"):
-        return "no /dev/loop-control: this kernel or container has no loop devices"
-    return None
-
-
-class LoopFS:
-    """A small filesystem image under a pytest tmp dir, mounted with `mount -o loop`; remountable, and
-    unmounted (its loop device detached) by `cleanup`, which the fixture calls even when a test fails."""
-
-    def __init__(self, root: str, fstype: str = "ext4", mib: int = 48):
-        self.image = os.path.join(root, f"{fstype}.img")
-        self.mnt = os.path.join(root, f"mnt-{fstype}")
-        self.fstype = fstype
-        os.makedirs(self.mnt, exist_ok=True)
-        with open(self.image, "wb") as f:
-            f.truncate(mib << 20)
-        mk = ["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "nodiscard"] if fstype == "ext4" else ["mkfs.xfs", "-q", "-f"]
-        r = _run(*mk, self.image)
-        if r.returncode:
-            raise RuntimeError(f"{' '.join(mk)} failed: {r.stderr}")
-        self.mounted = False
-
-    def mount(self) -> None:
-        r = _run("mount", "-o", "loop", "-t", self.fstype, self.image, self.mnt)
-        if r.returncode:
-            pytest.skip(f"mount -o loop is not allowed here: {r.stderr.strip()}")
-        self.mounted = True
-
-    def umount(self) -> None:
-        for attempt in range(100):  # a killed child's io_uring workers may hold the fs for a moment
-            r = _run("umount", self.mnt)
-            if r.returncode == 0:
-                self.mounted = False
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"umount {self.mnt} failed: {r.stderr}")
-
-    def shutdown(self, flag: int) -> None:
-        """FS_IOC_SHUTDOWN (xfstests' godown): flag 2 (NOLOGFLUSH) loses everything not yet durable."""
-        import fcntl
-        import struct
-        fs_ioc_shutdown = 0x8004587D  # _IOR('X', 125, __u32)
-        fd = os.open(self.mnt, os.O_RDONLY)
-        try:
-            fcntl.ioctl(fd, fs_ioc_shutdown, struct.pack("I", flag))
-        finally:
-            os.close(fd)
-
-    def free_bytes(self) -> int:
-        st = os.statvfs(self.mnt)
-        return st.f_bavail * st.f_frsize
-
-    def cleanup(self) -> None:
-        if self.mounted or os.path.ismount(self.mnt):
-            _run("umount", "-l", self.mnt)
-            self.mounted = False
-        # a loop device left attached to the image (a failed umount) is detached too
-        r = _run("losetup", "-j", self.image)
-        for line in r.stdout.splitlines():
-            _run("losetup", "-d", line.split(":")[0])

@@ -3,39 +3,25 @@ trials and outcomes per campaign printed at the end of the run (see [Note: short
 _common.py)."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from tests.support.dist import context
 
-from ._common import SOAK, TALLY, LoopFS, loop_mount_unavailable
+from tests.support.loopfs import mounted
 
-
-def _loop_fs(tmp_path, fstype: str, mib: int):
-    why = loop_mount_unavailable()
-    if why:
-        pytest.skip(why)
-    if fstype == "xfs" and shutil.which("mkfs.xfs") is None:
-        pytest.skip("mkfs.xfs is not installed (Debian package xfsprogs): the xfs power-loss runs are skipped")
-    fs = LoopFS(str(tmp_path), fstype, mib)
-    try:
-        fs.mount()
-        yield fs
-    finally:
-        fs.cleanup()
+from ._common import SOAK, TALLY
 
 
 @pytest.fixture(params=["ext4", "xfs"])
 def power_fs(tmp_path, request):
     """A 64 MiB (xfs: its 300 MiB minimum is too big; 64 MiB images only) filesystem, mounted."""
-    yield from _loop_fs(tmp_path, request.param, 64)
+    yield from mounted(tmp_path, request.param, 64)
 
 
 @pytest.fixture
 def small_ext4(tmp_path):
     """A few MiB of ext4, mounted: the full-disk campaign fills it."""
-    yield from _loop_fs(tmp_path, "ext4", 16)
+    yield from mounted(tmp_path, "ext4", 16)
 
 
 @pytest.fixture(scope="session")

@@ -98,7 +98,7 @@ class Extent:
     `alloc` bytes reserved (4 KiB multiple). `written` is the pending write's future (None once known
     done); `committed` is True while the last durable manifest names this extent."""
 
-    __slots__ = ("file", "offset", "length", "alloc", "crc", "written", "committed", "readers", "freed")
+    __slots__ = ("file", "offset", "length", "alloc", "crc", "written", "committed", "readers", "freed", "damaged")
 
     def __init__(self, file: int, offset: int, length: int, alloc: int, crc: int, written: Future | None = None):
         self.file = file
@@ -110,6 +110,7 @@ class Extent:
         self.committed = False
         self.readers = 0
         self.freed = False
+        self.damaged = False  # reaches past the end of its extent file (found at open): reads are refused
 
     def to_json(self) -> dict:
         return {"file": self.file, "offset": self.offset, "length": self.length, "alloc": self.alloc,
@@ -422,8 +423,8 @@ class NvmeTier:
 
     def check_extents(self, extents: list[tuple[str, Extent]], path: str) -> None:
         """Before adopt(): every (field, extent) a manifest at `path` names lies inside an extent file that
-        exists, within the size of each part file it touches, and no two overlap. CorruptionError names the
-        field. Creates, reads and allocates nothing."""
+        exists and no two overlap (CorruptionError names the field); one reaching past the end of a part file
+        (a truncated file) is marked damaged. Creates, reads and allocates nothing."""
         sizes: dict[int, list[int]] = {}  # extent file -> size of each part, bytes
         spans = []
         for field, e in extents:
@@ -437,12 +438,9 @@ class NvmeTier:
             sf = self.files[e.file]
             if e.file not in sizes:
                 sizes[e.file] = [p.size() for p in sf.parts]
-            for k, need in _part_needs(sf, e.offset, e.offset + e.alloc):
-                if sizes[e.file][k] < need:
-                    raise CorruptionError(
-                        f"the manifest {path}: field {field}: {e!r} ends past the {sizes[e.file][k]} bytes of "
-                        f"{sf.parts[k].path} (it needs {need}); the file was truncated or the manifest is "
-                        "damaged: restore them from a backup", sf.parts[k].path)
+            # an extent file cut short damages the tensors past the cut, not the store: they are refused when
+            # read (check_readable), before anything is allocated for them; the others stay readable
+            e.damaged = any(sizes[e.file][k] < need for k, need in _part_needs(sf, e.offset, e.offset + e.alloc))
             spans.append((e.file, e.offset, e.alloc, field))
         spans.sort()
         for (f, a, an, fa), (g, b, _bn, fb) in zip(spans, spans[1:]):
@@ -613,6 +611,14 @@ class NvmeTier:
         w.result()  # raises the write's error
         e.written = None
 
+    def check_readable(self, e: Extent, what: str) -> None:
+        """Raise the CorruptionError of a damaged extent (its file was found truncated at open); call before
+        allocating memory for a read of `e`."""
+        if e.damaged:
+            raise self._truncated(e, what) or CorruptionError(
+                f"{what}: its extent {e!r} reached past the end of its extent file when the store was opened; "
+                "restore the store's files from a backup, or delete the tensor", None, e.offset, e.length)
+
     def begin_read(self, e: Extent) -> None:
         with self._lock:
             if e.freed and not e.committed:
@@ -679,6 +685,7 @@ class NvmeTier:
                 raise TierstoreValueError(f"{what}: reads go into a contiguous uint8 CPU tensor of {e.length} "
                                           f"elements; got {out.dtype} {tuple(out.shape)} on {out.device}")
             try:
+                self.check_readable(e, what)
                 self.begin_read(e)
             except BaseException as exc:
                 errors[i] = exc
