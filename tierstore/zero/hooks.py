@@ -3,8 +3,9 @@ gradients into each rank's partition during and at the end of backward.
 
 ``ParamCoordinator`` is the hooks layer: it installs the hooks and, in each, asks the state objects what to
 do and does it -- the phase (phase.py), the backward schedule (backward_schedule.py, a pure state machine),
-the gradient reducer (gradient_reducer.py) and bucket residency (bucket_residency.py). It keeps itself the
-gathers and the prefetch around them (prefetch.py) and the counters.
+the gradient reducer (gradient_reducer.py) and bucket residency (bucket_residency.py) -- and tells the
+subscribers of events.py where the step is. It keeps itself the gathers and the prefetch around them
+(prefetch.py) and the counters.
 
 [Note: gather and release]
 Outside of use every managed parameter's ``.data`` is an empty tensor; the values live as this rank's shard
@@ -63,6 +64,7 @@ from . import _dist
 from ._layout import Layout
 from .backward_schedule import BackwardSchedule
 from .bucket_residency import BucketResidency
+from .events import Subscribers, Subscription
 from .gradient_reducer import GradientReducer
 from .phase import Phase
 from .prefetch import DeviceStage, Trace
@@ -90,6 +92,7 @@ class ParamCoordinator:
         self.reducer = GradientReducer(layout, params, grad_sink, device=device, group=group,
                                        quantized=quantized_gradients, intra_node_size=intra_node_size)
         self.residency = BucketResidency(layout, params, device)
+        self.events = Subscribers()
         self.trace = Trace()
         self._name_of = {id(p): n for n, p in params.items()}
         self._module_gids: dict[int, list[int]] = {}
@@ -174,6 +177,11 @@ class ParamCoordinator:
         self._handles.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+
+    def subscribe(self, subscriber) -> Subscription:
+        """Tell `subscriber` (a HookEvents) where each step is; ``.remove()`` on the result stops it. See
+        [Note: hook events] in events.py."""
+        return self.events.add(subscriber)
 
     # -- gather / release -------------------------------------------------------------------------------
     def empty(self, dtype: torch.dtype) -> torch.Tensor:
@@ -272,6 +280,8 @@ class ParamCoordinator:
             self.trace.begin()
             self.residency.new_forward()
             self.schedule.new_forward()  # hooks of the previous graph become stale ([Note: backward gathers])
+            if self.events:
+                self.events.emit("forward_begin")
         self._depth += 1
 
     def _root_post(self, module, args, output) -> None:
@@ -282,6 +292,8 @@ class ParamCoordinator:
             if self.phase is Phase.FORWARD:  # buckets kept for a module predicted next (see _post_forward)
                 self.residency.release_unused()
                 self.phase = Phase.IDLE
+                if self.events:
+                    self.events.emit("forward_end")
 
     def _pre_forward(self, module, args) -> None:
         call = _Call()
@@ -295,6 +307,8 @@ class ParamCoordinator:
         # a forward inside backward (activation recomputation) gathers what it misses on demand: see
         # [Note: activation recomputation]
         self.gather(gids)
+        if self.events:
+            self.events.emit("module_enter", module, call.index)
         if not recompute:
             self._prefetch_ahead()
         if recompute or not torch.is_grad_enabled() or all(self.reducer.trains(g) for g in gids):
@@ -322,6 +336,8 @@ class ParamCoordinator:
                         call.token.index = entry
                 for t in tensors:
                     t.register_hook(hook)
+        if self.events:
+            self.events.emit("module_exit", module, call.index, entry)
         # a bucket the trace says the next modules use stays (e.g. packed small parameters of neighbours):
         # the same prediction on every rank, so the same all-gathers are skipped everywhere
         keep = () if recompute or self._executor is None else {
@@ -354,6 +370,8 @@ class ParamCoordinator:
         self.schedule.begin()
         self.residency.begin_backward((e.gids for e in self.schedule.entries), self.reducer.trains)
         self.reducer.begin()
+        if self.events:
+            self.events.emit("backward_begin", len(self.schedule.entries))
 
     def _pre_backward(self, hook: "_BackwardGather") -> None:
         self._begin_backward()
@@ -379,6 +397,8 @@ class ParamCoordinator:
                 if final or (red.complete(g) and not res.in_use(g)):
                     res.release(g, local_only=True)  # nobody here needs it (any more)
             if not final:
+                if self.events:
+                    self.events.emit("backward_visit", visit.entry)
                 self._prefetch_backward()
 
     def _prefetch_backward(self) -> None:
@@ -425,6 +445,8 @@ class ParamCoordinator:
         self.schedule.end()
         self.residency.end_backward()
         self._drop_prefetched()
+        if self.events:
+            self.events.emit("backward_end", aborted)
 
     def clear_grad_flags(self) -> None:
         """Forget which parameters received a gradient (zero_grad)."""
