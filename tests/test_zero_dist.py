@@ -43,7 +43,7 @@ def two_heads_loss(outs, y, rank):
     return ((outs[rank % 2] - y) ** 2).mean()
 
 
-# -- backward gathers and the reduce-scatter schedule ([Note: backward gathers] in hooks.py) ----------------------
+# -- backward gathers and the reduce-scatter schedule ([Note: backward gathers] in backward_schedule.py) -----------
 
 class Scaled(nn.Module):
     """lin(x) * scale: autograd saves `scale` itself, so its backward reads the value gathered for backward."""

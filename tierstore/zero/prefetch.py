@@ -9,8 +9,8 @@ prediction -- and every collective posted because of one -- is the same on every
 module differs from the prediction, the trace is cut there and re-recorded from that point (a DEBUG log
 line on tierstore.zero says where); what was fetched ahead and not used is dropped at the end of the
 forward (an all-gather posted ahead is waited for first: every rank posted it). Backward does not use the
-trace: it walks the forward's entries with the cursor of [Note: backward gathers] in hooks.py and fetches
-the entries below the cursor.
+trace: it walks the forward's entries with the cursor of [Note: backward gathers] in backward_schedule.py
+and fetches the entries below the cursor.
 
 [Note: prefetch stages]
 A bucket gathered ahead goes through three stages, each `prefetch_depth` modules (or entries) ahead:
