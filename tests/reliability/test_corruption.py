@@ -146,10 +146,7 @@ def same_export(a: dict, b: dict) -> bool:
     return True
 
 
-@pytest.mark.parametrize("target", [
-    pytest.param("latest", marks=pytest.mark.xfail(strict=True, reason="NEW: a 'latest' file that is not UTF-8 "
-                                                   "raises UnicodeDecodeError, not a CorruptionError")),
-    "meta.json", "rank00000.bin", "buffers.bin"])
+@pytest.mark.parametrize("target", ["latest", "meta.json", "rank00000.bin", "buffers.bin"])
 def test_checkpoint_corruption(tmp_path, pristine_checkpoint, target):
     src, ref, full = pristine_checkpoint
     sub = [d for d in os.listdir(src) if d.startswith("ckpt-")][0]
