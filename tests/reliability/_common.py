@@ -125,3 +125,26 @@ def check_store(store, want: dict[str, dict], where: str) -> None:
 
 
 # -- loop-mounted filesystems ------------------------------------------------------------------------------
+
+
+def check_reopen(d: str, oracle: str, logged: list[int], prev: int, campaign: str, event: str) -> int:
+    """After a child's death (`event`: "killed", "shut down"): reopen the store in `d` and check it holds
+    exactly the flush the oracle recorded for its generation -- the last one the child logged as returned,
+    or the one in progress, which may have completed as it died. Returns the generation found (`prev`
+    when the store was never flushed)."""
+    from tierstore.store import Store
+
+    record(campaign, "(flushes returned)", len(logged))
+    last = logged[-1] if logged else prev
+    if prev == 0 and not os.path.exists(os.path.join(d, "manifest.json")):
+        assert not logged, f"a flush returned before the child was {event}, but no manifest survived it"
+        record(campaign, f"{event} before the first flush")
+        return prev
+    with Store.open(d, lock_memory=False) as s:
+        g = s.generation
+        assert g in (last, last + 1), (f"after the child was {event} the store is at generation {g}; the last "
+                                       f"flush that returned made {last}")
+        check_store(s, read_json(os.path.join(oracle, f"{g}.json")) if g else {}, f"generation {g}")
+        s.close(flush=False)
+    record(campaign, "last returned flush" if g == last else "flush in progress completed")
+    return g

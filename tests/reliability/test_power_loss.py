@@ -14,7 +14,7 @@ import torch
 from tierstore.store import Store
 
 from . import _children
-from ._common import check_store, read_json, record, seeds, trial, trials
+from ._common import check_reopen, seeds, trial, trials
 
 NOLOGFLUSH = 2  # EXT4_GOING_FLAGS_NOLOGFLUSH / XFS_FSOP_GOING_FLAGS_NOLOGFLUSH
 
@@ -44,20 +44,7 @@ def test_power_loss_mid_flush(tmp_path, power_fs, forkserver):
             assert p.exitcode == -signal.SIGKILL, "the child died on its own: see its traceback above"
             fs.umount()
             fs.mount()
-            record(campaign, "(flushes returned)", len(logged))
-            last = logged[-1] if logged else prev
-            if prev == 0 and not os.path.exists(os.path.join(d, "manifest.json")):
-                assert not logged, "a flush returned before the shutdown but no manifest survived it"
-                record(campaign, "shut down before the first flush")
-                continue
-            with Store.open(d, lock_memory=False) as s:
-                g = s.generation
-                assert g in (last, last + 1), (f"after the power loss the store is at generation {g}; the last "
-                                               f"flush that returned before it made {last}")
-                check_store(s, read_json(os.path.join(oracle, f"{g}.json")) if g else {}, f"generation {g}")
-                s.close(flush=False)
-            record(campaign, "last returned flush" if g == last else "flush in progress survived")
-            prev = g
+            prev = check_reopen(d, oracle, logged, prev, campaign, "shut down")
     if prev:  # usable afterwards
         with Store.open(d, lock_memory=False) as s:
             s.put("after", torch.arange(10))

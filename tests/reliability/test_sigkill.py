@@ -15,7 +15,7 @@ import torch
 from tierstore.store import Store
 
 from . import _children
-from ._common import check_store, read_json, record, seeds, trial, trials
+from ._common import check_reopen, check_store, read_json, seeds, trial, trials
 
 ROUNDS = 3  # children killed per trial, each continuing the store the previous one left
 
@@ -36,20 +36,7 @@ def kill_rounds(ctx, rng, d: str, oracle: str, log: str, host_budget: int, sizes
         os.kill(p.pid, signal.SIGKILL)
         p.join(60)
         assert p.exitcode == -signal.SIGKILL, "the child died on its own: see its traceback above"
-        logged = read_log(log)
-        record(campaign, "(flushes returned)", len(logged))
-        last = logged[-1] if logged else prev
-        if prev == 0 and not os.path.exists(os.path.join(d, "manifest.json")):
-            assert not logged, "a flush returned but left no manifest"
-            record(campaign, "killed before the first flush")
-            continue
-        with Store.open(d, lock_memory=False) as s:
-            g = s.generation
-            assert g in (last, last + 1), f"reopened generation {g}; the last flush that returned made {last}"
-            check_store(s, read_json(os.path.join(oracle, f"{g}.json")) if g else {}, f"generation {g}")
-            s.close(flush=False)
-        record(campaign, "last completed flush" if g == last else "flush completed as it died")
-        prev = g
+        prev = check_reopen(d, oracle, read_log(log), prev, campaign, "killed")
     return prev
 
 
