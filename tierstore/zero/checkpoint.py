@@ -99,7 +99,7 @@ from ..io.files import fsync_dir
 from ..partition import Plan, reshard_copies
 from ..store import STORED_DTYPES
 from ..tiers.nvme import crc_at, memory_at
-from . import _dist
+from . import _dist, keys
 from ._layout import fp32_twin
 
 FORMAT = "tierstore.zero.checkpoint"
@@ -253,7 +253,7 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1) -> str:
             for gl in opt.layout.groups:
                 for gid in gl.gids:
                     if not gl.trainable:
-                        w.tensor(f"{gid}.param", opt.store.get(f"p{gid}", device="cpu"))
+                        w.tensor(f"{gid}.param", opt.store.get(keys.param(gid), device="cpu"))
                         continue
                     sg = opt._export_subgroup(gid)  # one sub-group in memory at a time
                     w.tensor(f"{gid}.master", sg.pop("master"))
@@ -813,7 +813,7 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
             # over fp32 twins too, so the compute dtype may differ from the saving run's
             for b, shard, _srcs in _assemble(ck, fp32_twin(s_plan), fp32_twin(gl.plan), s_gids, me, ["param"],
                                              torch.float32, "cpu"):
-                opt.store.put(f"p{gl.gids[b]}", shard["param"].to(opt.device, cfg.compute_dtype), tier=cfg.params)
+                opt.store.put(keys.param(gl.gids[b]), shard["param"].to(opt.device, cfg.compute_dtype), tier=cfg.params)
             continue
         # per source sub-group: which states are per element (resharded) and which scalar; a sub-group no
         # step reached has none, and sub-groups skipped on some steps count their own `step`
@@ -821,10 +821,10 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
         per_element: dict[int, list[str]] = {}
         scalars: dict[int, dict] = {}
         for sb, sg in enumerate(s_gids):
-            keys = [n[len(f"{sg}.state."):] for n in first.records if n.startswith(f"{sg}.state.")]
-            per_element[sb] = [k for k in keys
+            names = [n[len(f"{sg}.state."):] for n in first.records if n.startswith(f"{sg}.state.")]
+            per_element[sb] = [k for k in names
                                if first.shape(f"{sg}.state.{k}") == (s_plan.buckets[sb].shard_numel,)]
-            scalars[sb] = {k: first.read(f"{sg}.state.{k}") for k in keys if k not in per_element[sb]}
+            scalars[sb] = {k: first.read(f"{sg}.state.{k}") for k in names if k not in per_element[sb]}
         all_keys = list(dict.fromkeys(k for sb in per_element for k in per_element[sb]))
         fresh = opt._initial_state_values(opt._gid_group[gl.gids[0]])
         roles = ["master"] + [f"state.{k}" for k in all_keys]

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import MisuseError, TierstoreValueError
 from ..store import Store
-from . import _dist
+from . import _dist, keys
 from ._layout import Layout
 from .config import OffloadConfig
 from .hooks import ParamCoordinator
@@ -383,9 +383,9 @@ class Zero3Optimizer(torch.optim.Optimizer):
                     master = reduce_scatter_exact(buf, self.group) if gid in sliced else buf
                     del buf
                     if gl.trainable:
-                        self.store.put(f"m{gid}", master, tier=cfg.optimizer_states)
+                        self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
                     if not (gl.trainable and self._shared_master):
-                        self.store.put(f"p{gid}", master.to(cfg.compute_dtype), tier=cfg.params)
+                        self.store.put(keys.param(gid), master.to(cfg.compute_dtype), tier=cfg.params)
                     del master
         except BaseException:  # the constructor fails: leave no store (nor temporary directory) behind
             self.store.close(flush=False)
@@ -396,11 +396,11 @@ class Zero3Optimizer(torch.optim.Optimizer):
     # -- store access --------------------------------------------------------------------------------------
     def _fetch_param_shard(self, gid: int) -> torch.Tensor:
         if self._shared_master and self.layout.group_of(gid).trainable:
-            return self.store.get(f"m{gid}")
-        return self.store.get(f"p{gid}")
+            return self.store.get(keys.master(gid))
+        return self.store.get(keys.param(gid))
 
     def _accumulate_grad(self, gid: int, shard: torch.Tensor) -> None:
-        name = f"g{gid}"
+        name = keys.grad(gid)
         if gid in self._grad_stats and name in self.store:
             shard = self.store.get(name).add_(shard)
         self.store.put(name, shard, tier=self.config.gradients)
@@ -425,7 +425,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         return Quantized.packed(buf, scheme, n, self._policy.block_size)
 
     def _put_state(self, gid: int, key: str, v: torch.Tensor) -> None:
-        name = f"s{gid}.{key}"
+        name = keys.state(gid, key)
         scheme = self._scheme(gid, key, v)
         if scheme is None:
             self._qs.pop((gid, key), None)
@@ -612,9 +612,9 @@ class Zero3Optimizer(torch.optim.Optimizer):
 
     def _load_subgroup(self, gid: int) -> dict:
         cfg = self.config
-        keys = self._state_keys.get(gid, [])
-        roles = [("master", f"m{gid}", cfg.optimizer_states), ("grad", f"g{gid}", cfg.gradients)]
-        roles += [(k, f"s{gid}.{k}", cfg.optimizer_states) for k in keys]
+        names = self._state_keys.get(gid, [])
+        roles = [("master", keys.master(gid), cfg.optimizer_states), ("grad", keys.grad(gid), cfg.gradients)]
+        roles += [(k, keys.state(gid, k), cfg.optimizer_states) for k in names]
         stack = ExitStack()
         got: dict[str, torch.Tensor] = {}
         resident: set[str] = set()
@@ -641,7 +641,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         except BaseException:
             stack.close()
             raise
-        return {"got": got, "resident": resident, "stack": stack, "keys": keys, "fused": bool(disk) and fused}
+        return {"got": got, "resident": resident, "stack": stack, "keys": names, "fused": bool(disk) and fused}
 
     def _step_subgroup(self, gid: int, t: dict, coef: float):
         return self._step_subgroups([(gid, t)], coef)[0]
@@ -759,9 +759,9 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if not self._fused8 or gid in self._skip_runs:  # skipped elements need the unfused path
             return False
         from ..quant.schemes import fused_adamw_pair
-        keys = self._state_keys.get(gid, ())
+        names = self._state_keys.get(gid, ())
         m, v = self._qs.get((gid, "exp_avg")), self._qs.get((gid, "exp_avg_sq"))
-        return "step" in keys and m is not None and v is not None and fused_adamw_pair(m[0], v[0])
+        return "step" in names and m is not None and v is not None and fused_adamw_pair(m[0], v[0])
 
     def _step_fused8(self, gid: int, t: dict, master: torch.Tensor, grad: torch.Tensor) -> dict:
         from ..quant import _native
@@ -792,8 +792,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         try:
             master = t["master_out"]
             if "master" not in resident or master.data_ptr() != got["master"].data_ptr():
-                self.store.put(f"m{gid}", master, tier=cfg.optimizer_states)
-            pname = f"p{gid}"
+                self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
+            pname = keys.param(gid)
             if self._shared_master:
                 pass
             elif self._on_memory(pname, cfg.params):
@@ -801,18 +801,18 @@ class Zero3Optimizer(torch.optim.Optimizer):
                     _copy(p, master)
             else:
                 self.store.put(pname, master.to(cfg.compute_dtype), tier=cfg.params)
-            keys, aux = [], {}
+            names, aux = [], {}
             for k, v in t["new_state"].items():
                 if isinstance(v, torch.Tensor):
                     same = k in resident and got[k].data_ptr() == v.data_ptr()
                     if t["fused"] and (gid, k) in self._qs:  # still packed: the fused step updated the codes
-                        self.store.put(f"s{gid}.{k}", v, tier=cfg.optimizer_states)
+                        self.store.put(keys.state(gid, k), v, tier=cfg.optimizer_states)
                     elif not same:
                         self._put_state(gid, k, v)
-                    keys.append(k)
+                    names.append(k)
                 else:
                     aux[k] = v
-            self._state_keys[gid] = keys
+            self._state_keys[gid] = names
             self._aux[gid] = aux
         finally:
             t["stack"].close()
@@ -823,8 +823,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradient partitions (and any full .grad left on the model)."""
         for gid in list(self._grad_stats):
-            if f"g{gid}" in self.store:
-                self.store.delete(f"g{gid}")
+            if keys.grad(gid) in self.store:
+                self.store.delete(keys.grad(gid))
         self._grad_stats.clear()
         self._clip_coef = 1.0
         self.coordinator.clear_grad_flags()
@@ -854,23 +854,23 @@ class Zero3Optimizer(torch.optim.Optimizer):
 
     # -- state dicts -------------------------------------------------------------------------------------
     def _export_subgroup(self, gid: int) -> dict:
-        keys = self._state_keys.get(gid, [])
-        got = self.store.get_many([f"m{gid}"] + [f"s{gid}.{k}" for k in keys], device="cpu")
+        names = self._state_keys.get(gid, [])
+        got = self.store.get_many([keys.master(gid)] + [keys.state(gid, k) for k in names], device="cpu")
         state = {}
-        for k in keys:
-            v = got[f"s{gid}.{k}"]
+        for k in names:
+            v = got[keys.state(gid, k)]
             state[k] = self._unpack_state(gid, k, v, torch.empty(self._qs[(gid, k)][1])) if (gid, k) in self._qs else v
-        return {"master": got[f"m{gid}"], "state": state, "aux": dict(self._aux.get(gid, {}))}
+        return {"master": got[keys.master(gid)], "state": state, "aux": dict(self._aux.get(gid, {}))}
 
     def _import_subgroup(self, gid: int, master: torch.Tensor, state: dict, aux: dict) -> None:
         cfg = self.config
         master = master.to(self.device, torch.float32)
-        self.store.put(f"m{gid}", master, tier=cfg.optimizer_states)
+        self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
         if not self._shared_master:
-            self.store.put(f"p{gid}", master.to(cfg.compute_dtype), tier=cfg.params)
+            self.store.put(keys.param(gid), master.to(cfg.compute_dtype), tier=cfg.params)
         for k in self._state_keys.get(gid, []):
-            if f"s{gid}.{k}" in self.store:
-                self.store.delete(f"s{gid}.{k}")
+            if keys.state(gid, k) in self.store:
+                self.store.delete(keys.state(gid, k))
         for k, v in state.items():
             self._put_state(gid, k, v.to(self.device))
         if state:
