@@ -327,7 +327,7 @@ def test_dynamic8_fused_step_matches_the_unfused_path(tmp_path, monkeypatch):
                              config=cfg(tmp_path / str(fused), states="nvme", state_codec="dynamic8",
                                         min_io_bytes=1 << 14, sub_group_bytes=1 << 14))
         if not fused:  # private: no option selects the unfused path where the fused kernel applies
-            monkeypatch.setattr(opt, "_fused8", False)
+            monkeypatch.setattr(opt._stepper, "fused8", False)
         calls.clear()
         for x, y in batches(8, d=64):
             loss_fn(m, x, y).backward()

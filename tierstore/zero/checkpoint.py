@@ -56,7 +56,7 @@ Every shard file holds fp32 shards of buckets of the layout the saving run used.
 shards under its own layout over fp32 twins of both plans (see [Note: fp32 twin plans] in _layout.py); states
 with one element per parameter element (exp_avg, sum, momentum_buffer ...) move the same way. Sub-groups
 do not all step together: one whose parameters never got a gradient has no states yet, and one skipped on
-some steps has its own `step` ([Note: skipped parameters] in optimizer.py). So the state keys are read per
+some steps has its own `step` ([Note: skipped parameters] in skipped.py). So the state keys are read per
 source sub-group: a destination sub-group takes the per-element states its sources hold (elements from a
 source without one get the value before a first step: 0, or the optimizer's eager initial state), its
 scalar states from the first of its sources that was stepped -- exact when the layouts match, the usual
@@ -255,7 +255,7 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1) -> str:
                     if not gl.trainable:
                         w.tensor(f"{gid}.param", opt.store.get(keys.param(gid), device="cpu"))
                         continue
-                    sg = opt._export_subgroup(gid)  # one sub-group in memory at a time
+                    sg = opt.export_subgroup(gid)  # one sub-group in memory at a time
                     w.tensor(f"{gid}.master", sg.pop("master"))
                     for k in list(sg["state"]):
                         w.tensor(f"{gid}.state.{k}", sg["state"].pop(k))
@@ -285,9 +285,9 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1) -> str:
                 bw.abort()
                 raise
             body = {"world_size": opt.world_size, "layout": opt.layout.to_dict(), "param_groups": _jsonable(
-                opt._hyperparams()), "optimizer": f"{opt.optimizer_class.__module__}.{opt.optimizer_class.__name__}",
+                opt.hyperparams()), "optimizer": f"{opt.optimizer_class.__module__}.{opt.optimizer_class.__name__}",
                 "compute_dtype": str(opt.config.compute_dtype).removeprefix("torch."), "steps": opt.steps,
-                "scaler": opt._scaler.state_dict(), "aliases": opt._aliases,
+                "scaler": opt.scaler_state(), "aliases": opt.param_aliases,
                 "files": {f: {"nbytes": n, "index_crc32c": c} for f, n, c in files}}
             body["version"] = VERSION  # under the crc32c (from version 3)
             doc = {"format": FORMAT, "version": VERSION, "crc32c": _body_crc(body), "body": body}
@@ -826,7 +826,7 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
                                if first.shape(f"{sg}.state.{k}") == (s_plan.buckets[sb].shard_numel,)]
             scalars[sb] = {k: first.read(f"{sg}.state.{k}") for k in names if k not in per_element[sb]}
         all_keys = list(dict.fromkeys(k for sb in per_element for k in per_element[sb]))
-        fresh = opt._initial_state_values(opt._gid_group[gl.gids[0]])
+        fresh = opt.initial_state_values(gl.gids[0])
         roles = ["master"] + [f"state.{k}" for k in all_keys]
         for b, shards, srcs in _assemble(
                 ck, fp32_twin(s_plan), fp32_twin(gl.plan), s_gids, me, roles, torch.float32, "cpu",
@@ -836,10 +836,10 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
             stepped = [sb for sb in srcs if per_element[sb] or scalars[sb] or aux[s_gids[sb]]]
             if stepped:  # scalars of the first source sub-group that was stepped (all of them agree when
                 st.update({k: v.clone() for k, v in scalars[stepped[0]].items()})  # the layouts match)
-            opt._import_subgroup(gl.gids[b], shards["master"], st, aux[s_gids[stepped[0]]] if stepped else {})
+            opt.import_subgroup(gl.gids[b], shards["master"], st, aux[s_gids[stepped[0]]] if stepped else {})
             del shards, st
-    opt._set_hyperparams(body["param_groups"])
-    opt._scaler.load_state_dict(body["scaler"])
+    opt.set_hyperparams(body["param_groups"])
+    opt.load_scaler_state(body["scaler"])
     opt.steps = body["steps"]
     buffers = ck.buffers()
     for n, b in opt.model.named_buffers():

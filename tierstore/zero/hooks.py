@@ -51,7 +51,7 @@ tell "no gradient" from "zero gradient". The coordinator therefore records which
 received a gradient (post-accumulate-grad hook) and, at world size N, agrees the set in the same end-of-
 backward all_reduce (per-parameter flags, MAX = any rank; GradientReducer.end_of_backward):
 ``grad_names`` holds the parameters that got a gradient on some rank since the optimizer's last
-zero_grad(). The optimizer's step skips the others (see [Note: skipped parameters] in optimizer.py).
+zero_grad(). The optimizer's step skips the others (see [Note: skipped parameters] in skipped.py).
 """
 from __future__ import annotations
 
