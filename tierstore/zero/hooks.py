@@ -108,7 +108,6 @@ class ParamCoordinator:
         self.model = model
         self.layout = layout
         self.params = params  # canonical name -> Parameter
-        self.fetch_shard = fetch_shard
         self.device = device
         self.group = group
         self.qwz = quantized_weights

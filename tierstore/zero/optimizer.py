@@ -16,7 +16,11 @@ parameter, gradient and states, and on scalars (lr, step count) -- so the allow-
 anything else is refused: a factored (Adafactor) or line-search (LBFGS) update over a flat shard would
 silently be a different optimizer.
 As in torch (and unlike DeepSpeed, which steps it with a zero gradient), a parameter that got no gradient
-since zero_grad() is not stepped: see [Note: skipped parameters].
+since zero_grad() is not stepped: see [Note: skipped parameters] in skipped.py.
+
+The step is made of small parts, each in its module: the sub-group stepper (stepper.py: load -> step -> save,
+handed over as a LoadedSubgroup), the 8-bit states (state8.py), skipped parameters (skipped.py) and the store
+names (keys.py). checkpoint.py uses the interface of [Note: checkpoint interface] below.
 """
 from __future__ import annotations
 
