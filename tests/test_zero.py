@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from tests.support import Checkpointed, Net, Odd, batches, cfg, loss_fn, make_pair, max_rel, reference
 from tierstore.errors import TierstoreValueError
-from tierstore.zero import OffloadConfig, Zero3Optimizer
+from tierstore.zero import OffloadConfig, Zero3Optimizer, keys
 
 TIERS = ("device", "host", "nvme")
 
@@ -300,7 +300,7 @@ def test_dynamic8_states_on_nvme_are_small_and_train_within_2pct(tmp_path):
     x = torch.randn(8, 64)
     loss_fn(m, x, torch.zeros(8, 4)).backward()
     opt.step()
-    t = opt.store.tensor("s0.exp_avg")
+    t = opt.store.tensor(keys.state(0, "exp_avg"))
     n = opt.layout.shard_numel(0)  # elements
     assert t.dtype == torch.uint8 and t.nbytes < 4 * n / 3  # 8 bits + a scale per block, not 32 bits
     st = opt.state_dict()["subgroups"][0]["state"]["exp_avg"]  # state dicts hold fp32
@@ -327,7 +327,7 @@ def test_dynamic8_fused_step_matches_the_unfused_path(tmp_path, monkeypatch):
                              config=cfg(tmp_path / str(fused), states="nvme", state_codec="dynamic8",
                                         min_io_bytes=1 << 14, sub_group_bytes=1 << 14))
         if not fused:  # private: no option selects the unfused path where the fused kernel applies
-            monkeypatch.setattr(opt, "_fused8", False)
+            monkeypatch.setattr(opt._stepper, "fused8", False)
         calls.clear()
         for x, y in batches(8, d=64):
             loss_fn(m, x, y).backward()
@@ -356,7 +356,7 @@ def test_bf16_compute_keeps_fp32_masters(tmp_path):
     torch.manual_seed(0)
     m = Net(d=64, h=128)
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(tmp_path / "b", compute_dtype=torch.bfloat16))
-    assert opt.store.get("m0").dtype == torch.float32 and opt.store.get("p0").dtype == torch.bfloat16
+    assert opt.store.get(keys.master(0)).dtype == torch.float32 and opt.store.get(keys.param(0)).dtype == torch.bfloat16
     with opt.gathered():
         assert all(p.dtype == torch.bfloat16 and p.numel() > 0 for p in m.parameters())
     opt.close()

@@ -56,7 +56,7 @@ Every shard file holds fp32 shards of buckets of the layout the saving run used.
 shards under its own layout over fp32 twins of both plans (see [Note: fp32 twin plans] in _layout.py); states
 with one element per parameter element (exp_avg, sum, momentum_buffer ...) move the same way. Sub-groups
 do not all step together: one whose parameters never got a gradient has no states yet, and one skipped on
-some steps has its own `step` ([Note: skipped parameters] in optimizer.py). So the state keys are read per
+some steps has its own `step` ([Note: skipped parameters] in skipped.py). So the state keys are read per
 source sub-group: a destination sub-group takes the per-element states its sources hold (elements from a
 source without one get the value before a first step: 0, or the optimizer's eager initial state), its
 scalar states from the first of its sources that was stepped -- exact when the layouts match, the usual
@@ -99,7 +99,7 @@ from ..io.files import fsync_dir
 from ..partition import Plan, reshard_copies
 from ..store import STORED_DTYPES
 from ..tiers.nvme import crc_at, memory_at
-from . import _dist
+from . import _dist, keys
 from ._layout import fp32_twin
 
 FORMAT = "tierstore.zero.checkpoint"
@@ -253,9 +253,9 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1) -> str:
             for gl in opt.layout.groups:
                 for gid in gl.gids:
                     if not gl.trainable:
-                        w.tensor(f"{gid}.param", opt.store.get(f"p{gid}", device="cpu"))
+                        w.tensor(f"{gid}.param", opt.store.get(keys.param(gid), device="cpu"))
                         continue
-                    sg = opt._export_subgroup(gid)  # one sub-group in memory at a time
+                    sg = opt.export_subgroup(gid)  # one sub-group in memory at a time
                     w.tensor(f"{gid}.master", sg.pop("master"))
                     for k in list(sg["state"]):
                         w.tensor(f"{gid}.state.{k}", sg["state"].pop(k))
@@ -285,9 +285,9 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1) -> str:
                 bw.abort()
                 raise
             body = {"world_size": opt.world_size, "layout": opt.layout.to_dict(), "param_groups": _jsonable(
-                opt._hyperparams()), "optimizer": f"{opt.optimizer_class.__module__}.{opt.optimizer_class.__name__}",
+                opt.hyperparams()), "optimizer": f"{opt.optimizer_class.__module__}.{opt.optimizer_class.__name__}",
                 "compute_dtype": str(opt.config.compute_dtype).removeprefix("torch."), "steps": opt.steps,
-                "scaler": opt._scaler.state_dict(), "aliases": opt._aliases,
+                "scaler": opt.scaler_state(), "aliases": opt.param_aliases,
                 "files": {f: {"nbytes": n, "index_crc32c": c} for f, n, c in files}}
             body["version"] = VERSION  # under the crc32c (from version 3)
             doc = {"format": FORMAT, "version": VERSION, "crc32c": _body_crc(body), "body": body}
@@ -813,7 +813,7 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
             # over fp32 twins too, so the compute dtype may differ from the saving run's
             for b, shard, _srcs in _assemble(ck, fp32_twin(s_plan), fp32_twin(gl.plan), s_gids, me, ["param"],
                                              torch.float32, "cpu"):
-                opt.store.put(f"p{gl.gids[b]}", shard["param"].to(opt.device, cfg.compute_dtype), tier=cfg.params)
+                opt.store.put(keys.param(gl.gids[b]), shard["param"].to(opt.device, cfg.compute_dtype), tier=cfg.params)
             continue
         # per source sub-group: which states are per element (resharded) and which scalar; a sub-group no
         # step reached has none, and sub-groups skipped on some steps count their own `step`
@@ -821,12 +821,12 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
         per_element: dict[int, list[str]] = {}
         scalars: dict[int, dict] = {}
         for sb, sg in enumerate(s_gids):
-            keys = [n[len(f"{sg}.state."):] for n in first.records if n.startswith(f"{sg}.state.")]
-            per_element[sb] = [k for k in keys
+            names = [n[len(f"{sg}.state."):] for n in first.records if n.startswith(f"{sg}.state.")]
+            per_element[sb] = [k for k in names
                                if first.shape(f"{sg}.state.{k}") == (s_plan.buckets[sb].shard_numel,)]
-            scalars[sb] = {k: first.read(f"{sg}.state.{k}") for k in keys if k not in per_element[sb]}
+            scalars[sb] = {k: first.read(f"{sg}.state.{k}") for k in names if k not in per_element[sb]}
         all_keys = list(dict.fromkeys(k for sb in per_element for k in per_element[sb]))
-        fresh = opt._initial_state_values(opt._gid_group[gl.gids[0]])
+        fresh = opt.initial_state_values(gl.gids[0])
         roles = ["master"] + [f"state.{k}" for k in all_keys]
         for b, shards, srcs in _assemble(
                 ck, fp32_twin(s_plan), fp32_twin(gl.plan), s_gids, me, roles, torch.float32, "cpu",
@@ -836,10 +836,10 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
             stepped = [sb for sb in srcs if per_element[sb] or scalars[sb] or aux[s_gids[sb]]]
             if stepped:  # scalars of the first source sub-group that was stepped (all of them agree when
                 st.update({k: v.clone() for k, v in scalars[stepped[0]].items()})  # the layouts match)
-            opt._import_subgroup(gl.gids[b], shards["master"], st, aux[s_gids[stepped[0]]] if stepped else {})
+            opt.import_subgroup(gl.gids[b], shards["master"], st, aux[s_gids[stepped[0]]] if stepped else {})
             del shards, st
-    opt._set_hyperparams(body["param_groups"])
-    opt._scaler.load_state_dict(body["scaler"])
+    opt.set_hyperparams(body["param_groups"])
+    opt.load_scaler_state(body["scaler"])
     opt.steps = body["steps"]
     buffers = ck.buffers()
     for n, b in opt.model.named_buffers():

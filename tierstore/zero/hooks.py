@@ -4,8 +4,9 @@ gradients into each rank's partition during and at the end of backward.
 ``ParamCoordinator`` is the hooks layer: it installs the hooks and, in each, asks the state objects what to
 do and does it -- the phase (phase.py), the backward schedule (backward_schedule.py, a pure state machine),
 the gradient reducer (gradient_reducer.py) and bucket residency (bucket_residency.py) -- and tells the
-subscribers of events.py where the step is. It keeps itself the gathers and the prefetch around them
-(prefetch.py) and the counters.
+subscribers of events.py where the step is. It does the gathers itself; the prefetch around them is
+prefetch.py's ``Prefetcher``, which it tells what comes next (the trace forward, the entries below the
+backward cursor) and takes read-ahead shards and posted all-gathers from.
 
 [Note: gather and release]
 Outside of use every managed parameter's ``.data`` is an empty tensor; the values live as this rank's shard
@@ -50,12 +51,11 @@ tell "no gradient" from "zero gradient". The coordinator therefore records which
 received a gradient (post-accumulate-grad hook) and, at world size N, agrees the set in the same end-of-
 backward all_reduce (per-parameter flags, MAX = any rank; GradientReducer.end_of_backward):
 ``grad_names`` holds the parameters that got a gradient on some rank since the optimizer's last
-zero_grad(). The optimizer's step skips the others (see [Note: skipped parameters] in optimizer.py).
+zero_grad(). The optimizer's step skips the others (see [Note: skipped parameters] in skipped.py).
 """
 from __future__ import annotations
 
 import types
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -68,7 +68,7 @@ from .bucket_residency import BucketResidency
 from .events import Subscribers, Subscription
 from .gradient_reducer import GradientReducer
 from .phase import Phase
-from .prefetch import DeviceStage, Trace
+from .prefetch import Prefetcher, Trace
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,6 @@ class ParamCoordinator:
         self.model = model
         self.layout = layout
         self.params = params  # canonical name -> Parameter
-        self.fetch_shard = fetch_shard
         self.device = device
         self.group = group
         self.qwz = quantized_weights
@@ -126,21 +125,13 @@ class ParamCoordinator:
         self._module_gids: dict[int, list[int]] = {}
         self._calls: list[_Call] = []  # the hooked forward calls running (nested)
         # -- prefetch ([Note: prefetch stages] in prefetch.py)
-        self._prefetched: dict[int, Future] = {}  # gid -> read (and staged) shard
-        self._pending: dict[int, _dist.Gathering] = {}  # gid -> all-gather posted ahead
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tierstore-prefetch") if prefetch_depth else None
-        self.stage = DeviceStage(device)
+        self.prefetcher = Prefetcher(layout, fetch_shard, lambda gid: gid in self.residency.protocol, device=device,
+                                     group=group, quantized=quantized_weights, depth=prefetch_depth)
         self._world = _dist.world_and_rank(group)[0]
-        self._gather_ahead = self._world > 1 and prefetch_depth > 0  # stage 3 of [Note: prefetch stages]
-        # -- counters (tests, diagnostics; read them through stats())
-        self.gathers = 0  # all-gathers issued (ahead or not)
-        self.prefetch_hits = 0  # shards read ahead that were used
+        # -- counters (tests, diagnostics; read them through stats()); the prefetcher keeps its own
+        self.gathers_on_demand = 0  # all-gathers issued when a module needed the bucket (not posted ahead)
         self.prefetch_hits_backward = 0
-        self.gathers_ahead = 0  # all-gathers posted ahead
-        self.gather_hits = 0  # ... that a module then waited for
         self.gather_hits_backward = 0
-        self.gathers_dropped = 0  # ... that no module used (waited for and dropped)
-        self.most_ahead = 0  # the most buckets gathered ahead and not yet used, at once
         self.eager_reductions = 0  # world size 1: buckets reduced as soon as complete
         self.early_reductions = 0  # world size N: buckets reduced during backward by the schedule
         self.rereductions = 0  # dirty buckets reduced again at the end of backward
@@ -189,23 +180,23 @@ class ParamCoordinator:
 
     def stats(self) -> CoordinatorStats:
         """A snapshot of the counters and of what is held now (see CoordinatorStats)."""
+        pf = self.prefetcher
         return CoordinatorStats(
-            gathers=self.gathers, gathers_ahead=self.gathers_ahead, gather_hits=self.gather_hits,
-            gather_hits_backward=self.gather_hits_backward, gathers_dropped=self.gathers_dropped,
-            most_ahead=self.most_ahead, prefetch_hits=self.prefetch_hits,
-            prefetch_hits_backward=self.prefetch_hits_backward, staged=self.stage.staged,
-            staged_copies=self.stage.copies, trace_rebuilds=self.trace.rebuilds,
+            gathers=self.gathers_on_demand + pf.gathers_ahead, gathers_ahead=pf.gathers_ahead,
+            gather_hits=pf.gather_hits, gather_hits_backward=self.gather_hits_backward,
+            gathers_dropped=pf.gathers_dropped, most_ahead=pf.most_ahead, prefetch_hits=pf.prefetch_hits,
+            prefetch_hits_backward=self.prefetch_hits_backward, staged=pf.stage.staged,
+            staged_copies=pf.stage.copies, trace_rebuilds=self.trace.rebuilds,
             eager_reductions=self.eager_reductions, early_reductions=self.early_reductions,
             rereductions=self.rereductions, grad_bytes=self.grad_bytes, peak_grad_bytes=self.peak_grad_bytes,
-            buckets_held=frozenset(self.residency.live), reads_in_flight=len(self._prefetched),
-            gathers_in_flight=len(self._pending), in_forward=self._depth > 0)
+            buckets_held=frozenset(self.residency.live), reads_in_flight=pf.reads_in_flight,
+            gathers_in_flight=pf.gathers_in_flight, in_forward=self._depth > 0)
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        self.prefetcher.close()
 
     def subscribe(self, subscriber) -> Subscription:
         """Tell `subscriber` (a HookEvents) where each step is; ``.remove()`` on the result stops it. See
@@ -224,18 +215,14 @@ class ParamCoordinator:
         for gid in gids:
             if gid in res.live:
                 continue
-            pending = self._pending.pop(gid, None)
-            if pending is not None:
-                with torch.profiler.record_function("tierstore::all_gather_wait"):
-                    full = pending.wait()
-                self.gather_hits += 1
-            else:
+            full = self.prefetcher.take_gathered(gid)
+            if full is None:
                 b = self.layout.bucket(gid)
-                shard = self._shard(gid)
+                shard = self.prefetcher.shard(gid)
                 full = torch.empty(b.numel, dtype=b.dtype, device=self.device)
                 with torch.profiler.record_function("tierstore::all_gather"):
                     _dist.all_gather(shard, full, self.group, quantized=self.qwz)
-                self.gathers += 1
+                self.gathers_on_demand += 1
             res.add(gid, full)
             new.append(gid)
         for gid in new:
@@ -246,55 +233,8 @@ class ParamCoordinator:
         self.residency.release(gid, local_only=local_only)
 
     def release_all(self) -> None:
-        self._drop_prefetched()
+        self.prefetcher.drop()
         self.residency.release_all()
-
-    def _shard(self, gid: int) -> torch.Tensor:
-        """This rank's shard of `gid` on the compute device: read ahead, or read now."""
-        fut = self._prefetched.pop(gid, None)
-        if fut is not None:
-            staged = fut.result()
-            self.prefetch_hits += 1
-            return self.stage.ready(staged)
-        return self.fetch_shard(gid).to(self.device)
-
-    def _read_and_stage(self, gid: int):
-        """Worker thread: stages 1 and 2 of [Note: prefetch stages]."""
-        return self.stage.to_device(self.fetch_shard(gid))
-
-    def _gather_ahead_of(self, gids) -> None:
-        """Post the all-gathers of `gids` now, waited when a module needs them (stage 3). Only from the main
-        thread, at points every rank reaches in the same order."""
-        for gid in gids:
-            if gid in self.residency.protocol or gid in self._pending:
-                continue
-            b = self.layout.bucket(gid)
-            shard = self._shard(gid)
-            full = torch.empty(b.numel, dtype=b.dtype, device=self.device)
-            with torch.profiler.record_function("tierstore::all_gather_post"):
-                self._pending[gid] = _dist.all_gather_async(shard, full, self.group, quantized=self.qwz)
-            self.gathers += 1
-            self.gathers_ahead += 1
-            self.most_ahead = max(self.most_ahead, len(self._pending))
-
-    def _read_ahead(self, gids) -> None:
-        for gid in gids:
-            if gid not in self.residency.protocol and gid not in self._pending and gid not in self._prefetched:
-                self._prefetched[gid] = self._executor.submit(self._read_and_stage, gid)
-
-    def _drop_prefetched(self) -> None:
-        """Drop what was fetched ahead and not used; an all-gather posted ahead is waited for first (every
-        rank posted it, so it completes)."""
-        for gid in sorted(self._pending):
-            self._pending[gid].wait()
-            self.gathers_dropped += 1
-        self._pending.clear()
-        for fut in self._prefetched.values():
-            try:
-                fut.result()
-            except Exception:  # a failed read nobody needs: the next real fetch raises it
-                pass
-        self._prefetched.clear()
 
     # -- forward --------------------------------------------------------------------------------------
     def _root_pre(self, module, args) -> None:
@@ -317,7 +257,7 @@ class ParamCoordinator:
         self._depth -= 1
         if self._depth == 0:
             self.trace.end()
-            self._drop_prefetched()
+            self.prefetcher.drop()
             if self.phase is Phase.FORWARD:  # buckets kept for a module predicted next (see _post_forward)
                 self.residency.release_unused()
                 self.phase = Phase.IDLE
@@ -369,7 +309,7 @@ class ParamCoordinator:
             self.events.emit("module_exit", module, call.index, entry)
         # a bucket the trace says the next modules use stays (e.g. packed small parameters of neighbours):
         # the same prediction on every rank, so the same all-gathers are skipped everywhere
-        keep = () if recompute or self._executor is None else {
+        keep = () if recompute or not self.prefetcher.enabled else {
             g for mid in self.trace.upcoming(self.prefetch_depth) for g in self._module_gids.get(mid, ())}
         for g in gids:
             if self.residency.leave(g) and g not in keep and not recompute:
@@ -379,15 +319,8 @@ class ParamCoordinator:
 
     def _prefetch_ahead(self) -> None:
         """Forward: stages ahead of the trace ([Note: prefetch stages])."""
-        if self._executor is None:
-            return
-        d = self.prefetch_depth
-        upcoming = self.trace.upcoming(2 * d if self._gather_ahead else d)
-        for mid in upcoming[d:] if self._gather_ahead else upcoming:
-            self._read_ahead(self._module_gids.get(mid, ()))
-        if self._gather_ahead:
-            for mid in upcoming[:d]:
-                self._gather_ahead_of(self._module_gids.get(mid, ()))
+        if self.prefetcher.enabled:
+            self.prefetcher.ahead([self._module_gids.get(mid, ()) for mid in self.trace.upcoming(self.prefetcher.span)])
 
     # -- backward -------------------------------------------------------------------------------------
     def _begin_backward(self) -> None:
@@ -418,10 +351,11 @@ class ParamCoordinator:
                     red.reduce(gid)
                     self.early_reductions += 1
             need = [g for g in visit.gids if g not in res.protocol]
-            hits, ghits = self.prefetch_hits, self.gather_hits
+            pf = self.prefetcher
+            hits, ghits = pf.prefetch_hits, pf.gather_hits
             self.gather(need)
-            self.prefetch_hits_backward += self.prefetch_hits - hits
-            self.gather_hits_backward += self.gather_hits - ghits
+            self.prefetch_hits_backward += pf.prefetch_hits - hits
+            self.gather_hits_backward += pf.gather_hits - ghits
             for g in need:
                 if final or (red.complete(g) and not res.in_use(g)):
                     res.release(g, local_only=True)  # nobody here needs it (any more)
@@ -433,15 +367,8 @@ class ParamCoordinator:
     def _prefetch_backward(self) -> None:
         """Backward: stages ahead of the cursor, over the entries below it ([Note: prefetch stages]). Every
         rank makes the same visits in the same order, so it posts the same all-gathers."""
-        if self._executor is None:
-            return
-        d = self.prefetch_depth
-        below = self.schedule.below(2 * d if self._gather_ahead else d)
-        for gids in below[d:] if self._gather_ahead else below:
-            self._read_ahead(gids)
-        if self._gather_ahead:
-            for gids in below[:d]:
-                self._gather_ahead_of(gids)
+        if self.prefetcher.enabled:
+            self.prefetcher.ahead(self.schedule.below(self.prefetcher.span))
 
     def _grad_done(self, p: torch.Tensor) -> None:
         self._begin_backward()
@@ -473,7 +400,7 @@ class ParamCoordinator:
         self.reducer.end()
         self.schedule.end()
         self.residency.end_backward()
-        self._drop_prefetched()
+        self.prefetcher.drop()
         if self.events:
             self.events.emit("backward_end", aborted)
 

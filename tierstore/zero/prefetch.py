@@ -3,8 +3,8 @@
 [Note: trace]
 The first forward records the sequence of modules whose forward pre-hook fires (a module called twice
 appears twice). Later forwards walk the same sequence; at position i the coordinator asks for the modules
-that come next and runs the stages of [Note: prefetch stages] ahead of them, overlapped with the compute of
-module i. The trace is the same on every rank (it follows the module order, which must be), so every
+that come next and the Prefetcher runs the stages of [Note: prefetch stages] ahead of them, overlapped with
+the compute of module i. The trace is the same on every rank (it follows the module order, which must be), so every
 prediction -- and every collective posted because of one -- is the same on every rank. When the observed
 module differs from the prediction, the trace is cut there and re-recorded from that point (a DEBUG log
 line on tierstore.zero says where); what was fetched ahead and not used is dropped at the end of the
@@ -36,9 +36,12 @@ per module); the forward's end releases it.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, NamedTuple
 
 import torch
+
+from . import _dist
 
 log = logging.getLogger("tierstore.zero")
 
@@ -132,3 +135,121 @@ class Trace:
             self.rebuilds += 1
         self.forwards += 1
         self.pos = 0
+
+
+class Prefetcher:
+    """The shards read ahead, the all-gathers posted ahead and the worker thread of [Note: prefetch stages].
+    The coordinator tells it what comes next (``ahead``), takes what it made (``shard``, ``take_gathered``)
+    and drops the rest (``drop``); `held(gid)` says whether a bucket is gathered already (the residency's
+    protocol view, the same on every rank)."""
+
+    def __init__(self, layout, fetch_shard: Callable[[int], torch.Tensor], held: Callable[[int], bool], *,
+                 device: torch.device, group=None, quantized: bool = False, depth: int = 0):
+        self.layout = layout
+        self.fetch_shard = fetch_shard
+        self.held = held
+        self.device = device
+        self.group = group
+        self.qwz = quantized
+        self.depth = depth
+        self.stage = DeviceStage(device)
+        self._prefetched: dict[int, Future] = {}  # gid -> read (and staged) shard
+        self._pending: dict[int, _dist.Gathering] = {}  # gid -> all-gather posted ahead
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tierstore-prefetch") if depth else None
+        # stage 3 only where there is a collective to overlap
+        self.gathers_ahead_on = _dist.world_and_rank(group)[0] > 1 and depth > 0
+        # -- counters (read through CoordinatorStats)
+        self.prefetch_hits = 0  # shards read ahead that were used
+        self.gathers_ahead = 0  # all-gathers posted ahead
+        self.gather_hits = 0  # ... that a module then waited for
+        self.gathers_dropped = 0  # ... that no module used (waited for and dropped)
+        self.most_ahead = 0  # the most buckets gathered ahead and not yet used, at once
+
+    @property
+    def enabled(self) -> bool:
+        return self._executor is not None
+
+    @property
+    def span(self) -> int:
+        """How many modules (or backward entries) ahead `ahead` wants to hear about."""
+        return 2 * self.depth if self.gathers_ahead_on else self.depth
+
+    @property
+    def reads_in_flight(self) -> int:
+        return len(self._prefetched)
+
+    @property
+    def gathers_in_flight(self) -> int:
+        return len(self._pending)
+
+    def ahead(self, upcoming) -> None:
+        """`upcoming`: the gids of each of the next `span` modules (or entries), nearest first. Reads the
+        shards of the far ones and posts the all-gathers of the near ones (world size N), or reads them all.
+        Only from the main thread, at points every rank reaches in the same order."""
+        if self._executor is None:
+            return
+        d = self.depth
+        for gids in upcoming[d:] if self.gathers_ahead_on else upcoming:
+            self._read_ahead(gids)
+        if self.gathers_ahead_on:
+            for gids in upcoming[:d]:
+                self._gather_ahead_of(gids)
+
+    def shard(self, gid: int) -> torch.Tensor:
+        """This rank's shard of `gid` on the compute device: read ahead, or read now."""
+        fut = self._prefetched.pop(gid, None)
+        if fut is not None:
+            staged = fut.result()
+            self.prefetch_hits += 1
+            return self.stage.ready(staged)
+        return self.fetch_shard(gid).to(self.device)
+
+    def take_gathered(self, gid: int) -> torch.Tensor | None:
+        """The full bucket `gid` if its all-gather was posted ahead (waited for now), else None."""
+        pending = self._pending.pop(gid, None)
+        if pending is None:
+            return None
+        with torch.profiler.record_function("tierstore::all_gather_wait"):
+            full = pending.wait()
+        self.gather_hits += 1
+        return full
+
+    def drop(self) -> None:
+        """Drop what was fetched ahead and not used; an all-gather posted ahead is waited for first (every
+        rank posted it, so it completes)."""
+        for gid in sorted(self._pending):
+            self._pending[gid].wait()
+            self.gathers_dropped += 1
+        self._pending.clear()
+        for fut in self._prefetched.values():
+            try:
+                fut.result()
+            except Exception:  # a failed read nobody needs: the next real fetch raises it
+                pass
+        self._prefetched.clear()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    def _read_and_stage(self, gid: int) -> Staged:
+        """Worker thread: stages 1 and 2."""
+        return self.stage.to_device(self.fetch_shard(gid))
+
+    def _gather_ahead_of(self, gids) -> None:
+        """Stage 3: post the all-gathers of `gids` now, waited when a module needs them."""
+        for gid in gids:
+            if self.held(gid) or gid in self._pending:
+                continue
+            b = self.layout.bucket(gid)
+            shard = self.shard(gid)
+            full = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+            with torch.profiler.record_function("tierstore::all_gather_post"):
+                self._pending[gid] = _dist.all_gather_async(shard, full, self.group, quantized=self.qwz)
+            self.gathers_ahead += 1
+            self.most_ahead = max(self.most_ahead, len(self._pending))
+
+    def _read_ahead(self, gids) -> None:
+        for gid in gids:
+            if not self.held(gid) and gid not in self._pending and gid not in self._prefetched:
+                self._prefetched[gid] = self._executor.submit(self._read_and_stage, gid)

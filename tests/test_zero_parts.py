@@ -1,0 +1,188 @@
+"""The parts Zero3Optimizer is built from (issue 15, step 5): the store-key helper, the sub-group stepper's
+typed hand-off, the 8-bit state handling, skipped-parameter handling, and the checkpoint interface."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support import batches, cfg, loss_fn, make_pair
+from tierstore.zero import Zero3Optimizer, keys
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _trained(tmp_path, steps=2, **cfg_kw):
+    _, m = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, config=cfg(tmp_path, **cfg_kw), lr=1e-2)
+    for x, y in batches(steps):
+        loss_fn(m, x, y).backward()
+        opt.step()
+    return opt
+
+
+def test_every_store_name_is_built_by_the_key_helper(tmp_path):
+    """After steps (gradients kept: no zero_grad), the store holds exactly the names keys.* gives for the
+    layout: a parameter shard per sub-group, a master and AdamW's three states per trainable one, a gradient
+    partition per trainable one."""
+    opt = _trained(tmp_path, params="device", states="host", grads="host")  # not [Note: shared master]
+    try:
+        want = set()
+        for gid in range(len(opt.layout.subgroups)):
+            want.add(keys.param(gid))
+        for gid in opt.layout.trainable_gids():
+            want |= {keys.master(gid), keys.grad(gid)} | {keys.state(gid, k) for k in ("step", "exp_avg", "exp_avg_sq")}
+        assert set(opt.store.keys()) == want
+        # the names are distinct per kind and per sub-group
+        assert len({keys.param(1), keys.master(1), keys.grad(1), keys.state(1, "param"), keys.param(11)}) == 5
+    finally:
+        opt.close()
+
+
+class _Layout:
+    """Just what Prefetcher reads of a Layout: bucket(gid).numel / .dtype."""
+
+    class _B:
+        numel, dtype = 4, torch.float32
+
+    def bucket(self, gid):
+        return self._B()
+
+
+def test_prefetcher_reads_ahead_hands_over_and_drops():
+    """The Prefetcher alone (world size 1: reads only, no all-gather posted): what `ahead` names is read on
+    its worker thread, `shard` hands a read-ahead shard over (a hit) or reads now, held buckets are not read,
+    and `drop` forgets the rest."""
+    from tierstore.zero.prefetch import Prefetcher
+    reads = []
+
+    def fetch(gid):
+        reads.append(gid)
+        return torch.full((2,), float(gid))
+
+    held = {3}
+    pf = Prefetcher(_Layout(), fetch, held.__contains__, device=torch.device("cpu"), depth=1)
+    try:
+        assert pf.enabled and not pf.gathers_ahead_on and pf.span == 1
+        pf.ahead([[0, 3], [1]])  # world 1: every module named is read ahead; 3 is held already
+        assert pf.reads_in_flight == 2 and pf.gathers_in_flight == 0
+        assert pf.take_gathered(0) is None  # nothing was posted ahead
+        assert pf.shard(0).tolist() == [0.0, 0.0] and pf.prefetch_hits == 1
+        assert pf.shard(2).tolist() == [2.0, 2.0] and pf.prefetch_hits == 1  # not read ahead: read now
+        pf.drop()
+        assert pf.reads_in_flight == 0
+        assert sorted(reads) == [0, 1, 2] and pf.stage.staged == 2
+    finally:
+        pf.close()
+    off = Prefetcher(_Layout(), fetch, held.__contains__, device=torch.device("cpu"), depth=0)
+    off.ahead([[5]])
+    assert not off.enabled and off.reads_in_flight == 0 and 5 not in reads
+
+
+def test_loaded_subgroup_is_typed_and_the_stepper_steps_it(tmp_path):
+    """The stepper's hand-off is a LoadedSubgroup: load -> step_loaded -> save by hand does what step() does
+    for that sub-group (the master moves, the states land in the store under keys.state)."""
+    from tierstore.zero.stepper import LoadedSubgroup
+    opt = _trained(tmp_path, steps=1, params="device", states="nvme", grads="host")
+    try:
+        gid = opt.layout.trainable_gids()[0]
+        x, y = next(iter(batches(1)))
+        loss_fn(opt.model, x, y).backward()
+        before = opt.export_subgroup(gid)
+        st = opt._stepper
+        opt._skipped.plan(opt.coordinator.grad_names)
+        t = st.load(gid)
+        assert isinstance(t, LoadedSubgroup) and t.gid == gid
+        assert t.resident == {"grad"}  # the gradient stepped in place on host; master and states read from nvme
+        assert set(t.tensors) == {"master", "grad", "step", "exp_avg", "exp_avg_sq"}
+        st.step_loaded([t], 1.0)
+        assert t.master_out is not None and set(t.new_state) == {"step", "exp_avg", "exp_avg_sq"}
+        st.save(t)
+        after = opt.export_subgroup(gid)
+        assert not torch.equal(before["master"], after["master"])
+        assert float(after["state"]["step"]) == float(before["state"]["step"]) + 1
+    finally:
+        opt.close()
+
+
+def test_checkpoint_interface_round_trips_a_subgroup(tmp_path):
+    """export_subgroup / import_subgroup / hyperparams / scaler_state: what checkpoint.py uses instead of
+    the optimizer's private members."""
+    a = _trained(tmp_path / "a", steps=2, states="nvme", state_codec="dynamic8", min_io_bytes=1 << 14,
+                 sub_group_bytes=1 << 14)
+    b = _trained(tmp_path / "b", steps=0)
+    try:
+        for gid in a.layout.trainable_gids():
+            sg = a.export_subgroup(gid)
+            assert sg["master"].dtype == torch.float32 and all(v.dtype == torch.float32 for v in sg["state"].values())
+            b.import_subgroup(gid, sg["master"], sg["state"], sg["aux"])
+            got = b.export_subgroup(gid)
+            assert torch.equal(got["master"], sg["master"])
+            assert {k: v.tolist() for k, v in got["state"].items()} == {k: v.tolist() for k, v in sg["state"].items()}
+        hp = a.hyperparams()
+        assert "params" not in hp[0] and hp[0]["lr"] == 1e-2
+        hp[0]["lr"] = 5e-3
+        b.set_hyperparams(hp)
+        assert b.param_groups[0]["lr"] == 5e-3
+        assert b.scaler_state() == a.scaler_state() and set(b.param_aliases) >= set(b.param_aliases.values())
+        fresh = b.initial_state_values(b.layout.trainable_gids()[0])
+        assert fresh == {"exp_avg": 0.0, "exp_avg_sq": 0.0}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_skipped_params_plan_and_put_back():
+    """SkippedParams alone: a bucket some of whose parameters got no gradient is stepped, their elements
+    recorded as runs; keep/restore put those elements of the master and of old states back, and give a
+    state this step creates its fresh value there."""
+    from tierstore.zero._layout import Layout
+    from tierstore.zero.skipped import SkippedParams
+    layout = Layout([("a", (4,), torch.float32, True), ("b", (4,), torch.float32, True),
+                     ("c", (4,), torch.float32, True)], [([], {})], 1, min_io_bytes=1 << 20, bucket_bytes=1 << 20)
+    opt = torch.optim.Adam([torch.zeros(1)], lr=0.1)
+    sk = SkippedParams(layout, 0, torch.optim.Adam, {"lr": 0.1}, opt.param_groups, [{}], torch.device("cpu"))
+    assert sk.plan(set()) == [] and sk.runs == {}
+    gids = sk.plan({"b"})
+    assert gids == [0]
+    assert sum(e - a for a, e in sk.runs[0]) == 8  # a's and c's elements
+    master = torch.arange(12, dtype=torch.float32)
+    old = {"exp_avg": torch.ones(12)}
+    kept = sk.keep(0, 0, master, old)
+    master.add_(100)
+    new = {"exp_avg": torch.full((12,), 7.0), "exp_avg_sq": torch.full((12,), 9.0)}
+    sk.restore(kept, master, new)
+    skipped = torch.zeros(12, dtype=torch.bool)
+    for a, e in sk.runs[0]:
+        skipped[a:e] = True
+    assert torch.equal(master[skipped], torch.arange(12, dtype=torch.float32)[skipped])
+    assert (master[~skipped] >= 100).all()
+    assert (new["exp_avg"][skipped] == 1).all() and (new["exp_avg"][~skipped] == 7).all()
+    assert (new["exp_avg_sq"][skipped] == 0).all() and (new["exp_avg_sq"][~skipped] == 9).all()
+    assert sk.partly_skipped == 1
+
+
+def test_eight_bit_states_pack_and_unpack(tmp_path):
+    """EightBitStates alone: a large exp_avg goes to the store packed in 8 bits and comes back within the
+    codec's error; a state the policy keeps fp32 (or no policy) is stored as it is."""
+    from tierstore.quant.states import StatePolicy
+    from tierstore.store import Store
+    from tierstore.zero.state8 import EightBitStates
+    from tierstore.zero.stepper import BufferPool
+    with Store([str(tmp_path / "s")], device_budget=0, host_budget=0) as store:
+        q = EightBitStates(store, "nvme", StatePolicy.make(), BufferPool(torch.device("cpu"), 2))
+        v = torch.randn(1 << 14)
+        q.put(3, "exp_avg", v)
+        assert q.is_packed(3, "exp_avg") and store.tensor(keys.state(3, "exp_avg")).dtype == torch.uint8
+        back = q.unpack(3, "exp_avg", store.get(keys.state(3, "exp_avg")), torch.empty(v.numel()))
+        assert (back - v).abs().max() <= 0.05 * v.abs().max()
+        q.put(3, "step", torch.tensor(2.0))
+        assert not q.is_packed(3, "step") and store.get(keys.state(3, "step")).item() == 2.0
+        plain = EightBitStates(store, "nvme", None, BufferPool(torch.device("cpu"), 2))
+        plain.put(4, "exp_avg", v)
+        assert not plain.is_packed(4, "exp_avg") and torch.equal(store.get(keys.state(4, "exp_avg")), v)

@@ -1,0 +1,288 @@
+"""The optimizer step of Zero3Optimizer, one sub-group at a time: load its tensors from the store, step
+them with the inner optimizer (or the fused 8-bit kernel), save them back. See [Note: thin wrapper over an
+elementwise optimizer] in optimizer.py.
+
+[Note: in place on memory tiers]
+A sub-group whose tensors live on a memory tier (device/host) is stepped on the tier's own copies:
+the load enters ``resident(tier, writeback=True)`` for each (no copy, pinned against eviction), the
+inner optimizer updates master and states in place, and the save leaves the blocks (on the writer
+thread). Only tensors on the nvme tier are read into buffers -- recycled between sub-groups, so the
+step allocates (and page-faults) nothing in steady state -- and written back with put().
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import torch
+
+from . import keys
+from .pipeline import StepPipeline
+from .skipped import SkippedParams
+from .state8 import EightBitStates
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src. Same-dtype contiguous CPU tensors go through one memmove: the pipeline's reader and writer
+    threads then do not start OpenMP teams of their own next to the compute thread's (on a 2-core machine
+    that oversubscription made a 2 MB copy_ take ~1-7 ms instead of ~0.2)."""
+    if (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.is_contiguous()
+            and src.is_contiguous() and dst.numel() == src.numel()):
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+    else:
+        dst.copy_(src)
+
+
+class BufferPool:
+    """Buffers for tensors read from nvme and for packing / unpacking 8-bit states, recycled between
+    sub-groups: at most `keep` free buffers of each (elements, dtype)."""
+
+    def __init__(self, device: torch.device, keep: int):
+        self.device = device
+        self.keep = keep
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()  # the pipeline's reader and writer threads take and give
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:  # numel: elements
+        with self._lock:
+            free = self._free.get((numel, dtype))
+            if free:
+                return free.pop()
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def give(self, t: torch.Tensor) -> None:
+        with self._lock:
+            free = self._free.setdefault((t.numel(), t.dtype), [])
+            if len(free) < self.keep:
+                free.append(t)
+
+
+@dataclass
+class LoadedSubgroup:
+    """One sub-group between load and save. `tensors`: role -> tensor, the roles "master", "grad" and each
+    state key (an 8-bit state unpacked to fp32, or still packed when `fused`); `resident`: the roles entered
+    in place on a memory tier ([Note: in place on memory tiers]), held open by `stack`; the step fills
+    `master_out` and `new_state`."""
+
+    gid: int
+    tensors: dict[str, torch.Tensor]
+    resident: set[str]
+    stack: ExitStack
+    state_keys: list[str]  # the states the store held for it when it was loaded
+    fused: bool  # stepped by the fused 8-bit kernel ([Note: fused 8-bit step in ZeRO-3] in state8.py)
+    master_out: torch.Tensor | None = None
+    new_state: dict = field(default_factory=dict)  # state key -> tensor or scalar, after the step
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+class SubgroupStepper:
+    """Loads, steps and saves sub-groups, and knows which states the store holds for each (``state_keys``)
+    and the non-tensor state the inner optimizer keeps (``aux``). `placeholder`: gid -> the inner
+    optimizer's flat placeholder; `gid_group`: gid -> its index in inner.param_groups; `templates`: each
+    group's eager initial state."""
+
+    def __init__(self, store, config, inner: torch.optim.Optimizer, placeholder: dict[int, torch.Tensor],
+                 gid_group: dict[int, int], templates: list[dict], states8: EightBitStates,
+                 skipped: SkippedParams, buffers: BufferPool, *, shared_master: bool, fused8: bool,
+                 device: torch.device):
+        self.store = store
+        self.config = config
+        self.inner = inner
+        self.placeholder = placeholder
+        self.gid_group = gid_group
+        self.templates = templates
+        self.states8 = states8
+        self.skipped = skipped
+        self.buffers = buffers
+        self.shared_master = shared_master
+        self.fused8 = fused8
+        self.device = device
+        self.state_keys: dict[int, list[str]] = {}  # gid -> tensor states in the store (absent: never stepped)
+        self.aux: dict[int, dict] = {}  # gid -> non-tensor states (kept here, not in the store)
+        self.fused_steps = 0  # sub-group steps done by the fused 8-bit kernel (OptimizerStats)
+        self._pipeline = StepPipeline(config.pipeline_depth)
+        self._inline = StepPipeline(1)  # nothing on nvme: the reads and writes are pointer moves, threads only cost
+
+    def close(self) -> None:
+        self._pipeline.close()
+
+    # [Note: one inner step for memory tiers]
+    # With nothing on nvme there is no I/O to overlap, and stepping sub-group by sub-group costs one inner
+    # optimizer call each: torch's fused CPU AdamW forks an OpenMP team per call, so 8 calls over 2M elements
+    # measured 19.2 ms where one call over the same 8 tensors took 16.6 (bench optim, development machine).
+    # Once every sub-group has its states (after the first step, which creates them one sub-group at a time so
+    # their temporaries never exist all at once) and the gradients sit on the states' tier (no copy of the
+    # whole gradient partition to another device), the step enters every sub-group's tensors in place
+    # (resident, no copies) and calls inner.step() once over all placeholders: the same elementwise
+    # arithmetic, one call.
+
+    def step(self, gids: list[int], coef: float) -> None:
+        """Step sub-groups `gids`, their gradients multiplied by `coef` first."""
+        cfg = self.config
+        on_disk = "nvme" in (cfg.optimizer_states, cfg.gradients) or (cfg.params == "nvme" and not self.shared_master)
+        if (not on_disk and cfg.gradients == cfg.optimizer_states
+                and all(gid in self.state_keys for gid in gids)):
+            self._step_in_place(gids, coef)  # [Note: one inner step for memory tiers]
+        else:
+            (self._pipeline if on_disk else self._inline).run(gids, self.load,
+                                                              lambda gid, t: self.step_loaded([t], coef)[0],
+                                                              lambda gid, t: self.save(t))
+
+    def _step_in_place(self, gids: list[int], coef: float) -> None:
+        loaded: list[LoadedSubgroup] = []
+        try:
+            for gid in gids:
+                loaded.append(self.load(gid))
+            self.step_loaded(loaded, coef)
+        except BaseException:
+            for t in loaded:
+                t.close()
+            raise
+        saved = 0
+        try:
+            for t in loaded:
+                saved += 1
+                self.save(t)
+        finally:
+            for t in loaded[saved:]:
+                t.close()
+
+    def _on_memory(self, name: str, tier: str) -> bool:
+        return tier in ("device", "host") and tier in self.store.tensor(name).tiers
+
+    def _fused8_for(self, gid: int) -> bool:
+        """Whether sub-group `gid` is stepped by the fused 8-bit kernel ([Note: fused 8-bit step in ZeRO-3])."""
+        if not self.fused8 or gid in self.skipped.runs:  # skipped elements need the unfused path
+            return False
+        return "step" in self.state_keys.get(gid, ()) and self.states8.fused_pair(gid)
+
+    def load(self, gid: int) -> LoadedSubgroup:
+        cfg = self.config
+        names = self.state_keys.get(gid, [])
+        roles = [("master", keys.master(gid), cfg.optimizer_states), ("grad", keys.grad(gid), cfg.gradients)]
+        roles += [(k, keys.state(gid, k), cfg.optimizer_states) for k in names]
+        stack = ExitStack()
+        got: dict[str, torch.Tensor] = {}
+        resident: set[str] = set()
+        disk: list[tuple[str, str]] = []
+        fused = False
+        try:
+            for role, name, tier in roles:
+                if self._on_memory(name, tier):
+                    got[role] = stack.enter_context(self.store.tensor(name).resident(tier, writeback=True))
+                    resident.add(role)
+                else:
+                    disk.append((role, name))
+            if disk:
+                outs = []
+                for role, name in disk:
+                    t = self.store.tensor(name)
+                    outs.append(self.buffers.take(math.prod(t.shape), t.dtype).view(t.shape))
+                read = self.store.get_many([n for _r, n in disk], out=outs)
+                fused = self._fused8_for(gid)
+                for (role, name), o in zip(disk, outs):
+                    got[role] = read[name]
+                    if role not in ("master", "grad") and self.states8.is_packed(gid, role) and not fused:
+                        got[role] = self.states8.unpack(gid, role, o)
+                        self.buffers.give(o)
+        except BaseException:
+            stack.close()
+            raise
+        return LoadedSubgroup(gid, got, resident, stack, names, fused)
+
+    def step_loaded(self, items: list[LoadedSubgroup], coef: float) -> list[LoadedSubgroup]:
+        """Step the loaded sub-groups `items` with one inner.step() over their placeholders (the fused 8-bit
+        ones with the native kernel); each gains `new_state` and `master_out`."""
+        staged: list[tuple[LoadedSubgroup, torch.Tensor]] = []
+        kept: dict[int, list] = {}  # id(placeholder) -> SkippedParams.keep's
+        stepped = False
+        try:
+            for t in items:
+                gid, got = t.gid, t.tensors
+                master = got["master"]
+                grad = got["grad"]
+                if grad.device != master.device:
+                    grad = grad.to(master.device)
+                if coef != 1.0:
+                    grad.mul_(coef)
+                if t.fused:
+                    self.states8.adamw_step(gid, got, master, grad, self.inner.param_groups[self.gid_group[gid]])
+                    t.new_state = {k: got[k] for k in t.state_keys}
+                    t.master_out = master
+                    self.fused_steps += 1
+                    continue
+                ph = self.placeholder[gid]
+                ph.data = master
+                ph.grad = grad
+                staged.append((t, ph))
+                state = {k: got[k] for k in t.state_keys}
+                state.update(self.aux.get(gid, {}))
+                if not state:
+                    n = master.numel()
+                    for k, v in self.templates[self.gid_group[gid]].items():
+                        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == 1:
+                            state[k] = torch.full((n,), float(v[0]), dtype=v.dtype, device=master.device)
+                        elif isinstance(v, torch.Tensor):
+                            state[k] = v.clone()
+                        else:
+                            state[k] = v
+                if state:
+                    self.inner.state[ph] = state
+                keep = self.skipped.keep(gid, self.gid_group[gid], master, state)  # [Note: skipped parameters]
+                if keep:
+                    kept[id(ph)] = keep
+            if staged:
+                self.inner.step()
+            stepped = True
+        except BaseException:
+            for t in items:
+                t.close()
+            raise
+        finally:
+            for t, ph in staged:
+                t.new_state = self.inner.state.pop(ph, {})
+                t.master_out = ph.data
+                if stepped and id(ph) in kept:
+                    self.skipped.restore(kept[id(ph)], ph.data, t.new_state)
+                ph.data = torch.empty(0, dtype=torch.float32, device=self.device)
+                ph.grad = None
+        return items
+
+    def save(self, t: LoadedSubgroup) -> None:
+        cfg = self.config
+        gid, got, resident = t.gid, t.tensors, t.resident
+        try:
+            master = t.master_out
+            if "master" not in resident or master.data_ptr() != got["master"].data_ptr():
+                self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
+            pname = keys.param(gid)
+            if self.shared_master:
+                pass
+            elif self._on_memory(pname, cfg.params):
+                with self.store.tensor(pname).resident(cfg.params, writeback=True) as p:
+                    _copy(p, master)
+            else:
+                self.store.put(pname, master.to(cfg.compute_dtype), tier=cfg.params)
+            names, aux = [], {}
+            for k, v in t.new_state.items():
+                if isinstance(v, torch.Tensor):
+                    same = k in resident and got[k].data_ptr() == v.data_ptr()
+                    if t.fused and self.states8.is_packed(gid, k):  # still packed: the fused step updated the codes
+                        self.states8.put_packed(gid, k, v)
+                    elif not same:
+                        self.states8.put(gid, k, v)
+                    names.append(k)
+                else:
+                    aux[k] = v
+            self.state_keys[gid] = names
+            self.aux[gid] = aux
+        finally:
+            t.close()
+            for role, v in got.items():
+                if role not in resident:
+                    self.buffers.give(v)
