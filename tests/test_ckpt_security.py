@@ -184,14 +184,14 @@ def test_non_tensor_optimizer_state_round_trips_in_tagged_json(tmp_path):
     _, m = make_pair()
     opt = Zero3Optimizer(m, Counting, lr=1e-2, config=cfg(tmp_path / "a"), elementwise_ok=True)
     train(m, opt, 3)
-    want = {g: opt._aux[g] for g in opt.layout.trainable_gids()}
+    want = {g: opt.export_subgroup(g)["aux"] for g in opt.layout.trainable_gids()}
     assert want and all(a["n"] == 3 for a in want.values())
     opt.save_checkpoint(tmp_path / "ck")
     opt.close()
     _, m2 = make_pair(seed=3)
     opt2 = Zero3Optimizer(m2, Counting, lr=1e-2, config=cfg(tmp_path / "b"), elementwise_ok=True)
     opt2.load_checkpoint(tmp_path / "ck")
-    got = {g: opt2._aux.get(g) for g in opt2.layout.trainable_gids()}
+    got = {g: opt2.export_subgroup(g)["aux"] for g in opt2.layout.trainable_gids()}
     assert all(_same(want[g], got[g]) for g in want), (want, got)
     opt2.close()
 

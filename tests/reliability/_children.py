@@ -13,6 +13,7 @@ import random
 import torch
 
 from tierstore.store import Store
+from tierstore.zero import keys
 
 from ._common import codec_of, random_spec, read_json, value_of, write_json_durably
 
@@ -83,7 +84,7 @@ def export_all(opt) -> dict:
     out = {"steps": opt.steps, "buffers": {n: b.detach().clone() for n, b in opt.model.named_buffers()}}
     for gl in opt.layout.groups:
         for gid in gl.gids:
-            out[gid] = opt._export_subgroup(gid) if gl.trainable else opt.store.get(f"p{gid}", device="cpu")
+            out[gid] = opt.export_subgroup(gid) if gl.trainable else opt.store.get(keys.param(gid), device="cpu")
     return out
 
 

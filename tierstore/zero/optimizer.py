@@ -544,15 +544,6 @@ class Zero3Optimizer(torch.optim.Optimizer):
         parameter (tied parameters are managed once, under that name)."""
         return dict(self._aliases)
 
-    # kept for tests/test_ckpt_security.py and tests/reliability/_children.py until they read the interface
-    # above (those files are not zero/'s)
-    @property
-    def _aux(self) -> dict[int, dict]:
-        return self._stepper.aux
-
-    def _export_subgroup(self, gid: int) -> dict:
-        return self.export_subgroup(gid)
-
     # -- state dicts -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This rank's state: hyperparameters, layout, and its shard of every master and state (CPU tensors).
