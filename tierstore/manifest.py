@@ -9,8 +9,8 @@ pickle and object codecs are refused: decoding them would unpickle or build Pyth
 extents of align_up(length) bytes inside extent files that exist in every directory, no two extents
 overlapping, and ndirs / stripe_unit as opened. A malformed manifest is a CorruptionError naming the file
 and the field. An extent reaching past the end of its (truncated) file damages that tensor only: reading
-it is a CorruptionError naming it, raised before any memory is allocated for it. The version is also written inside the checksummed body
-(manifests from before that keep it outside only, and still open).
+it is a CorruptionError naming it, raised before any memory is allocated for it. The version is also
+written inside the checksummed body (manifests from before that keep it outside only, and still open).
 """
 from __future__ import annotations
 

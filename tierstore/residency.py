@@ -436,7 +436,8 @@ class Residency:
             result.append(out)
         return result
 
-    def _read_current(self, keys: list, outs: list, device, by_name: bool) -> list[tuple[Placement, torch.Tensor, bool]]:
+    def _read_current(self, keys: list, outs: list, device,
+                      by_name: bool) -> list[tuple[Placement, torch.Tensor, bool]]:
         """For each key, (its placement, its value, fresh): a memory copy (not ours: fresh=False) or a new CPU
         tensor read from the persistent tier -- into out's bytes when they can take it (fresh=True). Reads
         run without the lock; each returns the value the tensor had when it began (its extent is held and

@@ -111,7 +111,7 @@ class Store:
             self._nvme = NvmeTier(self.paths, self._engine, self._pool, budget_bytes=nvme_budget,
                                   extent_file_bytes=extent_file_bytes, stripe_unit=stripe_unit,
                                   read_only=_read_only)
-            self._tiers = {"device": self._device, "host": self._host, "nvme": self._nvme}
+            self._tiers = {t.name: t for t in (self._device, self._host, self._nvme)}  # registry name -> tier
             self._res = Residency(self._tiers, accelerator=self._device, staging=self._host, workers=workers,
                                   read_only=_read_only, where=self.paths[0])
             self._generation = 0

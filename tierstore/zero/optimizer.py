@@ -34,6 +34,7 @@ import torch
 
 from ..errors import MisuseError, TierstoreValueError
 from ..store import Store
+from ..tiers import tier_info
 from . import _dist
 from ._layout import Layout
 from .config import OffloadConfig
@@ -249,8 +250,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         # default (all cores). One thread each was tried (to leave the compute its cores): 8-bit steps were
         # 10-25% slower on the 2-core development machine, so the default stays.
         self._qthreads = None
-        self._fused8 = self._policy is not None and config.optimizer_states == "nvme" and _fused8_capable(
-            optimizer_class, self.inner.param_groups, self.device)
+        self._fused8 = self._policy is not None and tier_info(config.optimizer_states).holds_encoded_bytes \
+            and _fused8_capable(optimizer_class, self.inner.param_groups, self.device)
         self.steps = 0
         self._fused_steps = 0  # counters read through stats()
         self._partly_skipped = 0
@@ -416,7 +417,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
     # the store moves 1/4 of the bytes and no codec copies. Checkpoints and state_dict() hold fp32 states.
 
     def _scheme(self, gid: int, key: str, t: torch.Tensor) -> str | None:
-        if self._policy is None or self.config.optimizer_states != "nvme" or t.dim() != 1:
+        if self._policy is None or not tier_info(self.config.optimizer_states).holds_encoded_bytes or t.dim() != 1:
             return None
         return self._policy.scheme_for(key, t)
 
@@ -503,8 +504,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
                 self.zero_grad()
                 return loss
         coef = self._clip_coef / self._scaler.scale
-        on_disk = "nvme" in (self.config.optimizer_states, self.config.gradients) or (
-            self.config.params == "nvme" and not self._shared_master)
+        on_disk = any(tier_info(t).persistent for t in (self.config.optimizer_states, self.config.gradients)) or (
+            tier_info(self.config.params).persistent and not self._shared_master)
         gids = self._gids_to_step()
         if (not on_disk and self.config.gradients == self.config.optimizer_states
                 and all(gid in self._state_keys for gid in gids)):
@@ -595,7 +596,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
     # step allocates (and page-faults) nothing in steady state -- and written back with put().
 
     def _on_memory(self, name: str, tier: str) -> bool:
-        return tier in ("device", "host") and tier in self.store.tensor(name).tiers
+        return tier_info(tier).memory and tier in self.store.tensor(name).tiers
 
     def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         with self._buf_lock:
