@@ -7,6 +7,12 @@
         store.flush()                                # durable: data + fsync, then the manifest
     store = tierstore.Store.open(["/nvme0/ts", "/nvme1/ts"])   # later, any process
 
+The store is the top of four layers, and a tensor's way from put() to disk and back only goes down them:
+Store (names, lifecycle: open / close / directory locks / read-only, flush orchestration, the public API)
+-> Residency (residency.py: which tier holds which copy, budgets, spill, the one read path; TieredTensor is a
+handle on it) -> the tiers (tiers/, known by their capabilities) -> io/. The manifest's format is
+manifest.py, zarr export and import zarr_io.py, codecs and dtypes encoding.py.
+
 [Note: crash safety]
 `flush()` (1) writes every tensor whose current value has no nvme copy yet, (2) waits for every write and
 fsyncs the extent files (and the directories when files were created), (3) writes the manifest to
@@ -27,112 +33,34 @@ flushed, and the error names it without advising a retry. After the rename, a fa
 leaves it unknown which manifest a crash would leave: both are kept intact -- the new extents stay
 protected and the previous ones pending free -- until a later flush succeeds.
 
-[Note: the manifest is untrusted input]
-The crc32c catches damage, not a manifest someone wrote on purpose (they compute it too). So `Store.open`
-checks every field before it creates, allocates or reads anything: types and ranges, shape x dtype itemsize
-== nbytes (== the extent's length for raw bytes), a known dtype, a codec that decodes to numbers (numcodecs'
-pickle and object codecs are refused: decoding them would unpickle or build Python objects), 4 KiB-aligned
-extents of align_up(length) bytes inside extent files that exist in every directory, no two extents
-overlapping, and ndirs / stripe_unit as opened. A malformed manifest is a CorruptionError naming the file
-and the field. An extent reaching past the end of its (truncated) file damages that tensor only: reading
-it is a CorruptionError naming it, raised before any memory is allocated for it. The version is also written inside the checksummed body
-(manifests from before that keep it outside only, and still open).
-
-[Note: budgets and spill]
-`put(tier=None)` places a tensor on the fastest tier whose budget can hold it at all, making room by
-spilling that tier's least recently used tensors one tier down (a tensor that already has a copy lower
-down is simply dropped). Tensors inside `resident()` blocks or being moved are never spilled. Only when no
-tier can take it is TierFullError raised, naming every budget.
-
-[Note: locking]
-One re-entrant lock guards the tensors' metadata, budgets and moves between memory tiers, and writes to the
-nvme tier (a memcpy into a staging buffer for small tensors). Reads from the nvme tier run without it, so
-a prefetch on a worker thread does not stall other threads; a read returns the value the tensor had when
-it began (the extent it reads is not reused until it ends), and a read whose extent was already freed
-when it began is retried on the current one. flush() holds the lock while it snapshots the tensors and marks their extents as named by a
-manifest, then releases it for the waiting and fsyncs.
 """
 from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
-import math
 import os
-import re
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Iterator
 
-import crc32c
 import torch
 
-from .errors import (CorruptionError, MisuseError, TierFullError, TierstoreIOError, TierstoreValueError, advice,
-                     io_error, prefixed)
+from . import zarr_io
+from .errors import MisuseError, TierstoreIOError, TierstoreValueError, advice
 from .io import BufferPool, Engine
-from .tensor import (IDENTITY, TieredTensor, codec_config, codec_from_config, dtype_from_name, dtype_name,
-                     out_bytes, to_numpy)
-from .tiers import TIERS, DeviceTier, Extent, HostTier, NvmeTier, profile_range, tier_index
-from .tiers.nvme import EXTENT_FILE
-from .tiers.device import to_dlpack_tensor
-from .tiers.host import result_empty
 from .io.files import fsync_dir
-from .io.pool import physical_memory
+from .manifest import MANIFEST, STORED_DTYPES, VERSION, parse_body, read_manifest, tensor_entry, write_manifest
+from .residency import Placement, Residency
+from .tensor import TieredTensor
+from .tiers import TIERS, DeviceTier, HostTier, NvmeTier, profile_range, tier_info
+from .tiers.device import to_dlpack_tensor
+
+__all__ = ["LOCKFILE", "MANIFEST", "STORED_DTYPES", "Store", "read_manifest"]
 
 log = logging.getLogger("tierstore.store")
 
-MANIFEST = "manifest.json"
 LOCKFILE = "tierstore.lock"
-FORMAT = "tierstore-manifest"
-VERSION = 1
-STORED_DTYPES: dict[str, torch.dtype] = {  # dtypes a manifest (and a checkpoint record) may name
-    n: getattr(torch, n) for n in (
-        "float64", "float32", "float16", "bfloat16", "complex64", "complex128", "int64", "int32", "int16", "int8",
-        "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-        "float8_e5m2fnuz") if isinstance(getattr(torch, n, None), torch.dtype)}
-OBJECT_CODECS = ("pickle", "json2", "msgpack2", "vlen-utf8", "vlen-bytes", "vlen-array")  # numcodecs ids
-
-
-def _manifest_crc(body: dict) -> int:
-    return crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
-
-
-def _corrupt(path: str, field: str, what: str) -> CorruptionError:
-    return CorruptionError(f"the manifest {path}: field {field}: {what}; it is damaged or was not written by "
-                           "tierstore: restore it from a backup", path)
-
-
-def read_manifest(directory: str) -> dict | None:
-    """The manifest body in `directory`, None when there is none. CorruptionError when unreadable; the fields
-    are checked by Store._load ([Note: the manifest is untrusted input])."""
-    path = os.path.join(directory, MANIFEST)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return None
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise CorruptionError(f"the manifest {path} is not valid ({e}); restore it from a backup", path) from None
-    body = doc.get("body") if isinstance(doc, dict) else None
-    if not isinstance(body, dict) or doc.get("format") != FORMAT:
-        raise CorruptionError(f"the manifest {path} is not a {FORMAT!r} document (or its body is not a dict); "
-                              "restore it from a backup", path)
-    if type(doc.get("crc32c")) is not int or _manifest_crc(body) != doc["crc32c"]:
-        raise CorruptionError(f"the manifest {path} fails its checksum; restore it from a backup", path)
-    version = doc.get("version")
-    if "version" in body and body["version"] != version:  # written under the checksum since it was added
-        raise _corrupt(path, "version", f"{version!r} outside the checksummed body, {body['version']!r} inside")
-    if type(version) is not int or version < 1:
-        raise _corrupt(path, "version", f"{version!r} is not a version")
-    if version > VERSION:
-        raise TierstoreValueError(f"{path} has format version {version}; this tierstore reads "
-                                  f"<= {VERSION}: upgrade tierstore")
-    return body
 
 
 class Store:
@@ -175,10 +103,7 @@ class Store:
                 _make_dir(p)
         self._lockfds = _lock_dirs(self.paths, shared=_read_only)
         try:
-            self._lock = threading.RLock()
             self._flush_lock = threading.Lock()
-            self._tensors: dict[str, TieredTensor] = {}
-            self._lru: dict[str, OrderedDict] = {t: OrderedDict() for t in TIERS}
             self._pool = BufferPool(pinned_budget, buffer_bytes, lock=lock_memory)
             self._engine = Engine(backend, queue_depth, pool=self._pool)
             self._device = DeviceTier(device_budget, device)
@@ -186,7 +111,9 @@ class Store:
             self._nvme = NvmeTier(self.paths, self._engine, self._pool, budget_bytes=nvme_budget,
                                   extent_file_bytes=extent_file_bytes, stripe_unit=stripe_unit,
                                   read_only=_read_only)
-            self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierstore-move")
+            self._tiers = {t.name: t for t in (self._device, self._host, self._nvme)}  # registry name -> tier
+            self._res = Residency(self._tiers, accelerator=self._device, staging=self._host, workers=workers,
+                                  read_only=_read_only, where=self.paths[0])
             self._generation = 0
             self._flushes = 0
             self._flush_seconds = 0.0
@@ -224,180 +151,27 @@ class Store:
 
     def _load(self, body: dict | None) -> None:
         """Adopt the tensors of a manifest body, every field checked against the extent files on disk first
-        ([Note: the manifest is untrusted input])."""
+        ([Note: the manifest is untrusted input] in manifest.py)."""
         if body is None:
             return
         where = os.path.join(self.paths[0], MANIFEST)
-        for f in ("generation", "ndirs", "stripe_unit"):
-            if type(body.get(f)) is not int or body[f] < (0 if f == "generation" else 1):
-                raise _corrupt(where, f, f"{body.get(f)!r} is not a positive integer")
-        if body["ndirs"] != len(self.paths) or body["stripe_unit"] != self._nvme.stripe_unit:
-            raise TierstoreValueError(
-                f"{where} describes a store striped over {body['ndirs']} directories with stripe_unit="
-                f"{body['stripe_unit']}; open it with the same directories in the same order and that stripe_unit")
-        files = body.get("extent_files")
-        if not isinstance(files, list) or files != [EXTENT_FILE.format(k) for k in range(len(files))]:
-            raise _corrupt(where, "extent_files", "not the list extents-0000.bin, extents-0001.bin ...")
-        tensors = body.get("tensors")
-        if not isinstance(tensors, dict):
-            raise _corrupt(where, "tensors", "not a map of names to tensors")
-        parsed = []
-        for name, d in tensors.items():
-            field = f"tensors[{name!r}]"
-            if not name or not isinstance(d, dict):
-                raise _corrupt(where, field, "not a named tensor")
-            shape, dt = d.get("shape"), STORED_DTYPES.get(str(d.get("dtype")))
-            if not isinstance(shape, list) or len(shape) > 64 or not all(type(n) is int and 0 <= n < 1 << 62
-                                                                         for n in shape):
-                raise _corrupt(where, f"{field}.shape", f"{str(shape)[:80]} is not a shape")
-            if dt is None:
-                raise _corrupt(where, f"{field}.dtype", f"{str(d.get('dtype'))[:40]!r} is not a dtype the store holds")
-            nbytes = math.prod(shape) * dt.itemsize  # bytes
-            if d.get("nbytes") != nbytes or type(d["nbytes"]) is not int:
-                raise _corrupt(where, f"{field}.nbytes", f"{d.get('nbytes')!r} is not {shape} x {dt.itemsize} bytes")
-            codec = self._manifest_codec(d.get("codec"), where, f"{field}.codec")
-            ext = Extent.from_json(d.get("extent"), where, f"{field}.extent")
-            if codec is IDENTITY and ext.length != nbytes:
-                raise _corrupt(where, f"{field}.extent.length", f"{ext.length} bytes hold {nbytes} raw bytes")
-            parsed.append((name, shape, dt, codec, ext))
-        self._nvme.check_extents([(f"tensors[{n!r}].extent", e) for n, *_r, e in parsed], where)
-        self._generation = body["generation"]
-        for name, shape, dt, codec, ext in parsed:
-            t = TieredTensor(self, name, shape, dt, codec)
-            t._copies["nvme"] = ext
-            t._committed = ext
-            self._lru["nvme"][t] = None
-            self._tensors[name] = t
-        self._nvme.adopt([e for *_r, e in parsed])
+        generation, entries = parse_body(body, where, len(self.paths), self._nvme.stripe_unit)
+        self._res.adopt(entries, where)
+        self._generation = generation
 
-    @staticmethod
-    def _manifest_codec(config, where: str, field: str):
-        """The codec a manifest entry names; codecs that decode to Python objects (numcodecs' pickle codec
-        unpickles) are refused."""
-        if config is None:
-            return IDENTITY
-        if not isinstance(config, dict) or not isinstance(config.get("id"), str):
-            raise _corrupt(where, field, f"{str(config)[:80]} is not a codec configuration")
-        if config["id"] in OBJECT_CODECS:
-            raise _corrupt(where, field, f"codec {config['id']!r} decodes to Python objects (or unpickles); a "
-                           "store never uses it")
-        try:
-            return codec_from_config(config)
-        except (ValueError, TypeError, KeyError) as e:
-            if "not available" in str(e) or "codec not" in str(e):
-                raise TierstoreValueError(f"{where}: {field} names codec {config['id']!r}, which is not "
-                                          f"registered: import the package that provides it first") from None
-            raise _corrupt(where, field, f"{type(e).__name__}: {e}") from None
-
-    # -- helpers used by TieredTensor -----------------------------------------------------------------
+    # -- lifecycle checks ---------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise MisuseError("the store is closed; open it again with tierstore.Store.open(paths)")
 
     def _check_writable(self, what: str) -> None:
         self._check_open()
-        if self._read_only:
-            raise MisuseError(f"{what}: the store at {self.paths[0]} was opened read-only (Store.open(paths, "
-                              "mode='r')) and changes nothing; open it with mode='w' to change it")
+        self._res.check_writable(what)
 
-    def _tier(self, name: str):
-        return {"device": self._device, "host": self._host, "nvme": self._nvme}[name]
+    def _handle(self, p: Placement) -> TieredTensor:
+        return TieredTensor(self._res, p)
 
-    def _tier_for(self, device) -> str:
-        if device is None:
-            return "device"
-        if isinstance(device, str) and device in ("device", "host"):
-            return device
-        dev = torch.device(device)
-        if dev == self._device.device or (dev.index is None and dev.type == self._device.device.type):
-            return "device"
-        if dev.type == "cpu":
-            return "host"
-        raise TierstoreValueError(f"device={device!r}: this store's device tier is {self._device.device}; pass "
-                                  "'device', 'host', that device or 'cpu'")
-
-    def _submit(self, fn, *args) -> Future:
-        self._check_open()
-        return self._executor.submit(fn, *args)
-
-    def _budgets_text(self) -> str:
-        parts = []
-        for t in TIERS:
-            b = self._tier(t).budget
-            lim = "unlimited" if b.limit is None else str(b.limit)
-            parts.append(f"{t}_budget={lim} ({b.used} used)")
-        return ", ".join(parts)
-
-    def _full_error(self, tier: str | None, t: TieredTensor) -> TierFullError:
-        where = f"on the {tier} tier" if tier else "on any tier"
-        return TierFullError(f"no room for {t.name!r} ({t.nbytes} bytes) {where}: {self._budgets_text()}; "
-                             "everything that could be spilled was. Raise a budget, put it on a slower tier, "
-                             "or delete tensors")
-
-    def _make_room(self, tier: str, nbytes: int, exclude: TieredTensor | None = None) -> bool:
-        """Spill LRU tensors of memory tier `tier` down until `nbytes` fit (lock held). False if impossible."""
-        b = self._tier(tier).budget
-        if not b.fits_at_all(nbytes):
-            return False
-        if b.room() >= nbytes:
-            return True
-        for victim in list(self._lru[tier]):
-            if b.room() >= nbytes:
-                break
-            if victim is exclude or victim._pins:
-                continue
-            self._demote(victim, tier)
-        return b.room() >= nbytes
-
-    def _demote(self, v: TieredTensor, tier: str) -> None:
-        lower = TIERS[tier_index(tier) + 1:]
-        dest = next((lt for lt in lower if lt in v._copies), None)
-        if dest is None:
-            for lt in lower:
-                if lt == "nvme":
-                    v._write_nvme(v._copies[tier])
-                    dest = lt
-                    break
-                if self._make_room(lt, v.nbytes, exclude=v):
-                    v._place_memory(lt, v._copies[tier])
-                    dest = lt
-                    break
-        v._remove(tier)
-        log.debug("spilled %r (%d bytes) from %s to %s to make room (%s)", v.name, v.nbytes, tier, dest,
-                  self._budgets_text())
-
-    def _write_failed(self, t: TieredTensor, ext: Extent, err: BaseException) -> str:
-        """The write of `ext`, t's nvme copy, failed (lock held): fall back to what is still valid. Returns what
-        became of t's value: 'replaced' (a newer value took its place meanwhile), 'kept' (a memory copy holds
-        it; the next flush writes it again), 'reverted' (it existed only in the failed write: t is back at its
-        last flushed value) or 'removed' (it existed only there and t was never flushed: t is gone)."""
-        if t._copies.get("nvme") is not ext:
-            return "replaced"
-        t._remove("nvme")
-        if t._memory_copy() is not None:
-            return "kept"
-        committed = t._committed
-        if committed is not None and committed is not ext:
-            self._nvme.unfree(committed)
-            if t._committed_meta is not None:  # the flushed bytes are of another shape/dtype/codec: restore
-                shape, dtype, codec = t._committed_meta  # the tensor they belong to, not t's metadata over them
-                t._deleted = True
-                t = self._tensors[t.name] = TieredTensor(self, t.name, shape, dtype, codec)
-                t._committed = committed
-            t._copies["nvme"] = committed
-            self._lru["nvme"][t] = None
-            t._version += 1
-            log.error("tensor %r: writing its new value failed (%s); it is back at its last flushed value",
-                      t.name, err)
-            return "reverted"
-        if self._tensors.get(t.name) is t:
-            del self._tensors[t.name]
-        t._deleted = True
-        log.error("tensor %r: writing it failed (%s) and no other copy existed; it was never flushed and "
-                  "is gone", t.name, err)
-        return "removed"
-
-    def _flush_error(self, fates: list[tuple[TieredTensor, str, BaseException]]) -> TierstoreIOError:
+    def _flush_error(self, fates: list[tuple[Placement, str, BaseException]]) -> TierstoreIOError:
         """The error of a flush whose writes failed: names the tensors whose new value was lost and those a
         later flush stores (see [Note: when a flush fails])."""
         err = fates[0][2]
@@ -436,79 +210,16 @@ class Store:
         if not isinstance(name, str) or not name:
             raise TierstoreValueError(f"name={name!r} must be a non-empty string")
         if tier is not None:
-            tier_index(tier)
+            tier_info(tier)
         if codec is not None and not all(hasattr(codec, a) for a in ("encode", "decode", "get_config")):
             raise TierstoreValueError(f"codec={codec!r} needs encode/decode/get_config (a numcodecs Codec)")
         self._check_writable(f"put({name!r})")
-        value = to_dlpack_tensor(value)
-        self._check_copy_fits(name, value, tier, codec)
-        with self._lock:
-            self._check_open()
-            t = TieredTensor(self, name, value.shape, value.dtype, codec)
-            if tier is not None and tier != "nvme" and not self._tier(tier).budget.fits_at_all(t.nbytes):
-                raise self._full_error(tier, t)
-            placed = None
-            try:
-                for tr in ([tier] if tier is not None else TIERS):
-                    if tr == "nvme":
-                        t._write_nvme(value)
-                    elif self._make_room(tr, t.nbytes, exclude=t):
-                        t._place_memory(tr, value)
-                    else:
-                        continue
-                    placed = tr
-                    break
-            except TierstoreIOError as e:  # no room reserved on disk (for it or a tensor spilled for it)
-                self._discard(t)
-                raise prefixed(e, f"put({name!r}) did not store the value (the store keeps what it held under "
-                                  "that name, if anything)") from None
-            if placed is None:
-                raise self._full_error(tier, t)
-            old = self._tensors.get(name)
-            if old is not None:
-                t._committed = old._committed
-                if old._committed is not None:
-                    meta = old._committed_meta or (old.shape, old.dtype, old.codec)
-                    if (meta[0], meta[1], codec_config(meta[2])) != (t.shape, t.dtype, codec_config(t.codec)):
-                        t._committed_meta = meta
-                self._discard(old)
-            self._tensors[name] = t
-            return t
-
-    def _check_copy_fits(self, name: str, value: torch.Tensor, tier: str | None, codec) -> None:
-        """Refuse, before any allocation, a put whose copy of `value` can never exist in host memory.
-
-        Every placement but two makes one contiguous host copy of all the tensor's bytes: the host tier's
-        copy, or the staging copy the nvme tier encodes and writes from. The exceptions are a device-tier
-        copy on a real accelerator, and a contiguous CPU tensor written as it is (identity codec) to nvme.
-        An expanded view (`torch.zeros(1).expand(2**40)`) holds 4 bytes and names 4 TiB."""
-        nbytes = value.numel() * value.element_size()  # bytes, decoded
-        if tier == "nvme" and value.device.type == "cpu" and value.is_contiguous() and codec in (None, IDENTITY):
-            return
-        if tier in (None, "device") and self._device.device.type != "cpu" and \
-                self._device.budget.fits_at_all(nbytes):
-            return
-        memory = physical_memory()
-        if memory is not None and nbytes > memory:
-            raise TierFullError(
-                f"put({name!r}): the tensor ({tuple(value.shape)} {value.dtype}) needs a contiguous copy of "
-                f"{nbytes} bytes in host memory, more than this machine has ({memory} bytes); it is "
-                f"{'an expanded or strided view' if not value.is_contiguous() else 'too large'}. Store it in "
-                "pieces under several names, or store what it was made from (e.g. the tensor before expand())")
-
-    def _discard(self, t: TieredTensor) -> None:
-        for tier in list(t._copies):
-            t._remove(tier)
-        t._deleted = True
+        return self._handle(self._res.put(name, to_dlpack_tensor(value), tier, codec))
 
     def tensor(self, name: str) -> TieredTensor:
         """The TieredTensor handle of `name` (KeyError if absent)."""
-        with self._lock:
-            self._check_open()
-            try:
-                return self._tensors[name]
-            except KeyError:
-                raise KeyError(f"no tensor named {name!r} in the store") from None
+        self._check_open()
+        return self._handle(self._res.lookup(name))
 
     __getitem__ = tensor
 
@@ -521,14 +232,8 @@ class Store:
         refuses (a replaced handle is stale: MisuseError). A read by name is not bound to that handle: it
         reads the tensor that has the name now, so it returns the old or the new value, never an error
         (KeyError when the name was deleted meanwhile)."""
-        while True:
-            t = self.tensor(name)
-            try:
-                return t.get(device, out=out)
-            except MisuseError:
-                with self._lock:
-                    if self._closed or not t._deleted:
-                        raise
+        self._check_open()
+        return self._res.read([name], device, [out], by_name=True)[0]
 
     def get_many(self, names: Iterable[str], device: torch.device | str | None = None, *,
                  out=None) -> dict[str, torch.Tensor]:
@@ -546,80 +251,29 @@ class Store:
                     raise TierstoreValueError(f"out= has {len(out)} tensors for {len(names)} names: give one per "
                                               "name, in the same order (or a dict name -> tensor)")
                 outs = dict(zip(names, out))
-        result: dict[str, torch.Tensor] = {}
-        batch = []
-        with self._lock:
-            self._check_open()
-            for n in names:
-                t = self.tensor(n)
-                o = outs.get(n)
-                if o is not None:
-                    t._check_out(o, device)
-                ext = t._copies.get("nvme")
-                if t._memory_copy() is None and ext is not None and ext.length:
-                    self._nvme.check_readable(ext, f"tensor {t.name!r}")
-                    t._pins += 1
-                    direct = out_bytes(o) if o is not None and t.codec is IDENTITY else None
-                    batch.append((t, ext, t._version, o, direct))
-        try:
-            bufs = [direct if direct is not None else result_empty(ext.length) for _t, ext, _v, _o, direct in batch]
-            errors = self._nvme.read_many([(ext, b, f"tensor {t.name!r}")
-                                           for (t, ext, _v, _o, _d), b in zip(batch, bufs)])
-        finally:
-            with self._lock:
-                for t, *_rest in batch:
-                    t._pins -= 1
-        first_error = None
-        with self._lock:
-            for (t, ext, v, o, direct), buf, err in zip(batch, bufs, errors):
-                if err is None and v == t._version and not t._deleted:
-                    t._touch()
-                    if direct is not None:
-                        result[t.name] = o
-                        continue
-                    val = t._decode(buf)
-                    if o is not None:
-                        o.copy_(val)
-                        val = o
-                    result[t.name] = val if device is None or o is not None else val.to(device)
-                elif err is not None and not isinstance(err, MisuseError):
-                    w = ext.written
-                    if w is not None and w.done() and w.exception() is not None:  # its write failed
-                        self._write_failed(t, ext, err)
-                    first_error = first_error or err
-        if first_error is not None:
-            raise first_error
-        for n in names:
-            if n not in result:
-                result[n] = self.get(n, device, out=outs.get(n))
-        return result
+        self._check_open()
+        unique = list(dict.fromkeys(names))
+        values = self._res.read(unique, device, [outs.get(n) for n in unique], by_name=True)
+        return dict(zip(unique, values))
 
     def __contains__(self, name: object) -> bool:
-        with self._lock:
-            self._check_open()
-            return name in self._tensors
+        self._check_open()
+        return self._res.holds(name)
 
     def keys(self) -> list[str]:
-        with self._lock:
-            self._check_open()
-            return list(self._tensors)
+        self._check_open()
+        return self._res.names()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
 
     def __len__(self) -> int:
-        with self._lock:
-            self._check_open()
-            return len(self._tensors)
+        return len(self.keys())
 
     def delete(self, name: str) -> None:
         """Remove `name`; its space is reused after the next flush (the last flushed manifest still names it)."""
-        with self._lock:
-            self._check_writable(f"delete({name!r})")
-            t = self._tensors.pop(name, None)
-            if t is None:
-                raise KeyError(f"no tensor named {name!r} in the store")
-            self._discard(t)
+        self._check_writable(f"delete({name!r})")
+        self._res.delete(name)
 
     __delitem__ = delete
 
@@ -630,36 +284,18 @@ class Store:
         self._check_writable("flush()")
         t0 = time.perf_counter()
         with self._flush_lock, profile_range("tierstore::flush"):
-            with self._lock:
-                self._check_open()
-                fates: list[tuple[TieredTensor, str, BaseException]] = []
-                for t in list(self._tensors.values()):
-                    if "nvme" not in t._copies and t._memory_copy() is not None:
-                        try:
-                            t._write_nvme(t._memory_copy())
-                        except TierstoreIOError as e:  # no room reserved: the memory copy still holds it
-                            fates.append((t, "kept", e))
-                snapshot = [(t, t._copies["nvme"]) for t in self._tensors.values() if "nvme" in t._copies]
-                protected = self._nvme.protect([e for _t, e in snapshot])
+            self._check_open()
+            fates, snapshot, protected = self._res.flush_begin()
             renamed = False
             try:
                 self._nvme.sync()
-                failed = [(t, e, e.written.exception()) for t, e in snapshot
-                          if e.written is not None and e.written.exception() is not None]
-                if failed or fates:
-                    with self._lock:
-                        self._nvme.unprotect(protected)
-                        protected = []
-                        fates += [(t, self._write_failed(t, e, err), err) for t, e, err in failed]
+                fates = self._res.flush_failed(snapshot, protected, fates)
+                if fates:
+                    protected = []  # unprotected by flush_failed
                     raise self._flush_error(fates)
-                for _t, e in snapshot:
-                    e.written = None
                 self._write_manifest(snapshot)
                 renamed = True
-                with self._lock:
-                    for t, e in snapshot:
-                        t._committed = e
-                        t._committed_meta = None
+                self._res.flush_committed(snapshot)
                 try:
                     fsync_dir(self.paths[0])
                 except OSError as e:
@@ -671,53 +307,22 @@ class Store:
                         f"{advice(code) or 'Check the disk'}, then call flush() again", self.paths[0]) from None
             except BaseException:
                 if not renamed:  # the previous manifest stands: this one's extents need no protection
-                    with self._lock:
-                        self._nvme.unprotect(protected)
+                    self._res.unprotect(protected)
                 raise
-            with self._lock:
-                self._nvme.commit_done([e for _t, e in snapshot])
+            self._res.flush_done(snapshot)
         self._flushes += 1
         self._flush_seconds += time.perf_counter() - t0
 
-    def _write_manifest(self, snapshot: list[tuple[TieredTensor, Extent]]) -> None:
-        """Write the manifest naming `snapshot` to a temporary file, fsync it and rename it over the last one
-        (the directory fsync that makes the rename durable is the caller's). Raises with nothing renamed."""
+    def _write_manifest(self, snapshot: list[tuple[Placement, Any]]) -> None:
+        """Write the manifest naming `snapshot` (see manifest.write_manifest); one more generation."""
         tensors = {}
-        for t, e in snapshot:
-            cached = t._manifest_entry
+        for p, e in snapshot:
+            cached = p.manifest_entry
             if cached is None or cached[0] is not e:
-                cached = t._manifest_entry = (e, {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
-                                                  "nbytes": t.nbytes, "codec": codec_config(t.codec),
-                                                  "extent": e.to_json()})
-            tensors[t.name] = cached[1]
-        body = {
-            "version": VERSION,  # under the checksum (manifests before it have the version outside only)
-            "generation": self._generation + 1, "ndirs": len(self.paths), "stripe_unit": self._nvme.stripe_unit,
-            "extent_files": [f"extents-{k:04d}.bin" for k in range(len(self._nvme.files))],
-            "tensors": tensors,
-        }
-        # Serialised once, by json's C encoder (json.dump to a file takes the pure-Python path): the body in
-        # the canonical form its crc32c covers, wrapped as the document (see read_manifest).
-        body_text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        text = (f'{{"format":{json.dumps(FORMAT)},"version":{VERSION},'
-                f'"crc32c":{crc32c.crc32c(body_text.encode())},"body":{body_text}}}')
-        final = os.path.join(self.paths[0], MANIFEST)
-        tmp = final + ".tmp"
-        with profile_range("tierstore::manifest"):
-            try:
-                with open(tmp, "w") as f:
-                    f.write(text)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, final)
-            except OSError as e:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise io_error(e.errno or errno.EIO, "flush: writing the manifest", tmp, None, None,
-                               "nothing was renamed, the previous flush stands and every unflushed value is still "
-                               "held: once that is fixed, call flush() again") from None
+                cached = p.manifest_entry = (e, tensor_entry(p.shape, p.dtype, p.nbytes, p.codec, e))
+            tensors[p.name] = cached[1]
+        write_manifest(self.paths[0], tensors, generation=self._generation + 1, ndirs=len(self.paths),
+                       stripe_unit=self._nvme.stripe_unit, nfiles=len(self._nvme.files))
         self._generation += 1
 
     @property
@@ -728,16 +333,16 @@ class Store:
 
     def stats(self) -> dict:
         """Bytes and seconds moved into ('in') and out of ('out') each tier, budgets, tensor counts."""
-        with self._lock:
+        with self._res.lock:
             out: dict[str, Any] = {}
             for t in TIERS:
-                tobj = self._tier(t)
+                tobj = self._tiers[t]
                 d = tobj.stats.as_dict()
                 d["budget"] = tobj.budget.limit
                 d["used"] = tobj.budget.used  # bytes
-                d["tensors"] = len(self._lru[t])
+                d["tensors"] = self._res.tier_count(t)
                 out[t] = d
-            out["tensors"] = len(self._tensors)
+            out["tensors"] = len(self._res.names())
             out["flushes"] = self._flushes
             out["flush_seconds"] = self._flush_seconds
             out["pool_waits"] = self._pool.waits
@@ -751,44 +356,22 @@ class Store:
         compressor: None, a name ('zstd', 'blosc', 'gzip', 'lz4', 'zlib'), a numcodecs codec object (e.g.
         numcodecs.Zstd(level=5)) or a zarr codec. Dtypes numpy lacks (bfloat16, float8) are stored as
         same-width unsigned integers; the array attribute 'torch_dtype' names the real one."""
-        import zarr
-
         self._check_open()
         if self._read_only:
             target = os.path.realpath(os.fspath(path))
             for d in self.paths:
                 if os.path.commonpath([target, os.path.realpath(d)]) == os.path.realpath(d):
                     self._check_writable(f"export_zarr({os.fspath(path)!r}) into the store's directory {d}")
-        compressors = _zarr_compressors(compressor)
-        root = zarr.open_group(os.fspath(path), mode="w", zarr_format=3)
-        root.attrs["tierstore"] = {"version": VERSION}
-        used: set[str] = set()
-        for i, name in enumerate(sorted(self.keys())):
-            value = self.get(name, "cpu").contiguous()
-            arr = to_numpy(value)
-            key = name if _zarr_name_ok(name) and name not in used else f"tensor_{i}"
-            used.add(key)
-            a = root.create_array(key, shape=arr.shape, dtype=arr.dtype, chunks=_chunks(arr.shape, arr.itemsize,
-                                  chunk_bytes), compressors=compressors, fill_value=0,
-                                  attributes={"tierstore_name": name, "torch_dtype": dtype_name(value.dtype)})
-            if arr.size:
-                a[...] = arr
+        zarr_io.write_group(path, self.keys(), lambda name: self.get(name, "cpu"), version=VERSION,
+                            compressor=compressor, chunk_bytes=chunk_bytes)
 
     @classmethod
     def import_zarr(cls, path: str | os.PathLike, paths, *, tier: str | None = None, **kwargs) -> "Store":
         """A new Store at `paths` holding every array of the zarr group at `path` (flushed)."""
-        import zarr
-
-        root = zarr.open_group(os.fspath(path), mode="r")
+        arrays = zarr_io.read_group(path)
         store = cls(paths, **kwargs)
         try:
-            for key, arr in _all_arrays(root):
-                data = arr[...]
-                name = arr.attrs.get("tierstore_name", key)
-                tdt = arr.attrs.get("torch_dtype")
-                t = torch.from_numpy(data.copy()) if data.ndim else torch.tensor(data[()])
-                if tdt is not None and dtype_from_name(tdt) != t.dtype:
-                    t = t.view(dtype_from_name(tdt))
+            for name, t in arrays:
                 store.put(name, t, tier)
             store.flush()
         except BaseException:
@@ -805,17 +388,20 @@ class Store:
             if flush and not self._read_only:
                 self.flush()
         finally:
-            with self._lock:
-                self._closed = True
+            with self._res.lock:
+                self._closed = self._res.closed = True
             self._teardown()
 
     def _teardown(self) -> None:
-        for step in ("_executor", "_nvme", "_engine", "_pool"):
+        res = self.__dict__.get("_res")
+        if res is not None:
+            res.closed = True
+        for step in ("_res", "_nvme", "_engine", "_pool"):
             obj = self.__dict__.pop(step, None)
             if obj is None:
                 continue
             try:
-                obj.shutdown(wait=True) if step == "_executor" else obj.close()
+                obj.shutdown() if step == "_res" else obj.close()
             except Exception:
                 log.exception("closing %s failed", step)
         self._closed = True
@@ -839,55 +425,6 @@ class Store:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self)} tensors"
         return f"Store({self.paths}, {state})"
-
-
-_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*")
-
-
-def _zarr_name_ok(name: str) -> bool:
-    return bool(_NAME_RE.fullmatch(name)) and not any(s in (".", "..") or s.startswith("__")
-                                                       for s in name.split("/"))
-
-
-def _chunks(shape: tuple, itemsize: int, chunk_bytes: int) -> tuple:
-    if not shape:
-        return ()
-    chunks = [max(1, s) for s in shape]
-    row = itemsize
-    for s in chunks[1:]:
-        row *= s
-    chunks[0] = max(1, min(chunks[0], chunk_bytes // max(1, row)))
-    return tuple(chunks)
-
-
-def _zarr_compressors(compressor):
-    if compressor is None:
-        return None
-    from zarr.codecs import numcodecs as zn
-
-    names = {"zstd": zn.Zstd, "blosc": zn.Blosc, "gzip": zn.GZip, "lz4": zn.LZ4, "zlib": zn.Zlib, "bz2": zn.BZ2,
-             "lzma": zn.LZMA}
-    if isinstance(compressor, str):
-        if compressor not in names:
-            raise TierstoreValueError(f"compressor={compressor!r}; choose one of {sorted(names)} or pass a codec")
-        return [names[compressor]()]
-    if hasattr(compressor, "get_config") and not hasattr(compressor, "to_dict"):  # a numcodecs (v2) codec
-        cfg = dict(compressor.get_config())
-        cid = cfg.pop("id")
-        if cid not in names:
-            raise TierstoreValueError(f"numcodecs codec {cid!r} is not a compressor zarr v3 can wrap here; use "
-                                      f"one of {sorted(names)}")
-        return [names[cid](**cfg)]
-    return [compressor]
-
-
-def _all_arrays(group, prefix: str = ""):
-    for key, member in group.members():
-        full = f"{prefix}{key}"
-        if hasattr(member, "shape"):
-            yield full, member
-        else:
-            yield from _all_arrays(member, full + "/")
 
 
 # -- opening: arguments, directories, locks ---------------------------------------------------------------

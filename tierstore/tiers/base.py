@@ -1,17 +1,53 @@
-"""What every tier shares: a byte budget and transfer statistics."""
+"""What every tier shares: the registry of tiers and their capabilities, the contracts a tier class keeps
+(MemoryTier, PersistentTier), a byte budget and transfer statistics.
+
+[Note: tiers are known by their capabilities]
+The residency layer never asks "is this the nvme tier?": it asks the registry what a tier can do
+(`tier_info(name).persistent`, `.holds_encoded_bytes`, the order fastest first), and calls a tier through
+the Protocol its capabilities promise. A new tier is one `TierInfo` record here plus a class keeping its
+Protocol, checked by the conformance suite in tests/tier_conformance.py. The public API still names tiers
+by their strings ('device', 'host', 'nvme').
+"""
 from __future__ import annotations
 
 import threading
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 from torch._C._autograd import _profiler_enabled
 
 from ..errors import TierstoreValueError
 
-TIERS = ("device", "host", "nvme")  # fastest first
+
+
+@dataclass(frozen=True)
+class TierInfo:
+    """What a tier can do. `persistent`: its copies survive the process (a manifest names them) and it keeps
+    the PersistentTier contract; else it keeps the MemoryTier contract. `holds_encoded_bytes`: a copy is the
+    tensor's bytes after its codec (an extent), not a decoded tensor. `order`: 0 is the fastest."""
+
+    name: str
+    order: int
+    persistent: bool
+    holds_encoded_bytes: bool
+
+    @property
+    def memory(self) -> bool:
+        return not self.persistent
+
+
+REGISTRY: tuple[TierInfo, ...] = (  # the one list of tiers, fastest first
+    TierInfo("device", 0, persistent=False, holds_encoded_bytes=False),
+    TierInfo("host", 1, persistent=False, holds_encoded_bytes=False),
+    TierInfo("nvme", 2, persistent=True, holds_encoded_bytes=True),
+)
+TIERS = tuple(i.name for i in REGISTRY)  # fastest first
+MEMORY_TIERS = tuple(i.name for i in REGISTRY if i.memory)  # fastest first
+PERSISTENT_TIERS = tuple(i.name for i in REGISTRY if i.persistent)
+_INFO = {i.name: i for i in REGISTRY}
 _NO_RANGE = nullcontext()
 
 
@@ -24,11 +60,16 @@ def profile_range(name: str):
     return torch.profiler.record_function(name) if _profiler_enabled() else _NO_RANGE
 
 
-def tier_index(tier: str) -> int:
+def tier_info(tier: str) -> TierInfo:
+    """The registry's record of `tier`; TierstoreValueError naming the tiers when there is none."""
     try:
-        return TIERS.index(tier)
-    except ValueError:
+        return _INFO[tier]
+    except (KeyError, TypeError):
         raise TierstoreValueError(f"tier={tier!r} is not one of {TIERS}") from None
+
+
+def tier_index(tier: str) -> int:
+    return tier_info(tier).order
 
 
 class Budget:
@@ -99,3 +140,80 @@ class TierStats:
             s = d[f"seconds_{k}"]
             d[f"gib_s_{k}"] = d[f"bytes_{k}"] / s / (1 << 30) if s > 0 else 0.0
         return d
+
+
+# -- contracts ------------------------------------------------------------------------------------------
+@runtime_checkable
+class Tier(Protocol):
+    """What every tier has: its registry name, a byte budget and transfer statistics."""
+
+    name: str
+    budget: Budget
+    stats: TierStats
+
+
+@runtime_checkable
+class MemoryTier(Tier, Protocol):
+    """A tier holding decoded tensors in memory (device, host). Budgets are charged by the residency layer
+    (the tier allocates; it does not refuse)."""
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Uninitialised memory of this tier for a tensor of `shape` and `dtype`."""
+
+    def copy_in(self, src: torch.Tensor) -> torch.Tensor:
+        """A new tensor of this tier holding `src` (any device, any layout); the copy is done on return."""
+
+    def copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """Copy `src`, a tensor of this tier, into `dst` (a CPU tensor of its shape); returns `dst`, done."""
+
+
+@runtime_checkable
+class PersistentTier(Tier, Protocol):
+    """A tier holding encoded bytes in files that outlive the process (nvme). A copy is an extent: an object
+    with `length` (bytes), `written` (the future of its write, None once durable) and `to_json()`.
+    Space is copy-on-write: an extent a manifest names is reused only after commit_done() says a newer
+    manifest no longer names it."""
+
+    stripe_unit: int  # bytes
+    files: list
+
+    def write(self, src: torch.Tensor, what: str = "a tensor") -> Any:
+        """Start writing the bytes of contiguous CPU `src`; returns its extent, readable at once. Raises
+        TierstoreIOError with nothing written when no space can be reserved."""
+
+    def read(self, e: Any, out: torch.Tensor, what: str) -> None:
+        """Read extent `e` into `out` (contiguous uint8 CPU, e.length elements), its checksum checked."""
+
+    def read_many(self, items: list) -> list:
+        """Read many (extent, out, what); one error or None per item, in order."""
+
+    def check_readable(self, e: Any, what: str) -> None:
+        """Raise the CorruptionError of an extent found damaged at open (before memory is allocated)."""
+
+    def free(self, e: Any) -> None:
+        """No copy names `e` any more (its space comes back when no manifest or read needs it)."""
+
+    def unfree(self, e: Any) -> None:
+        """Take back a free() of an extent the last manifest names (a revert to it)."""
+
+    def sync(self) -> None:
+        """Wait for every write and make it durable (fsync)."""
+
+    def protect(self, extents: list) -> list:
+        """Mark `extents` as named by the manifest being written; returns those newly marked."""
+
+    def unprotect(self, extents: list) -> None:
+        """Undo protect() after a manifest that was not written."""
+
+    def commit_done(self, live: list) -> None:
+        """The manifest naming exactly `live` is durable: reuse the space of every other freed extent."""
+
+    def check_extents(self, extents: list, path: str) -> None:
+        """Validate (field, extent) pairs read from the manifest at `path` against the files."""
+
+    def adopt(self, extents: list) -> None:
+        """Take the extents of a manifest read at open as allocated and committed."""
+
+    def close(self) -> None:
+        """Wait for the writes in flight and release files and memory."""
+

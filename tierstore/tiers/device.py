@@ -75,11 +75,15 @@ class DeviceTier:
         if self.device.type != "cpu":  # accelerator-only branch: copies are queued on its current stream
             torch.accelerator.current_stream(self.device).synchronize()
 
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Uninitialised device memory for a tensor of `shape` and `dtype`."""
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
     def copy_in(self, src: torch.Tensor) -> torch.Tensor:
         """A new device tensor holding `src` (any device, any layout); returns when the copy is done."""
         nbytes = src.numel() * src.element_size()
         with profile_range("tierstore::to_device"), self.stats.timing("in", nbytes):
-            dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            dst = self.empty(src.shape, src.dtype)
             dst.copy_(src, non_blocking=True)
             self.synchronize()
         return dst

@@ -82,5 +82,12 @@ class HostTier:
             dst.copy_(src)
         return dst
 
+    def copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """Copy the host tensor `src` into the CPU tensor `dst`; returns `dst`."""
+        nbytes = src.numel() * src.element_size()
+        with profile_range("tierstore::from_host"), self.stats.timing("out", nbytes):
+            dst.copy_(src)
+        return dst
+
     def __repr__(self) -> str:
         return f"HostTier({self.budget})"

@@ -15,10 +15,10 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..errors import TierstoreValueError
+from ..tiers import TIERS, tier_info
 
 log = logging.getLogger("tierstore.zero")
 
-TIERS = ("device", "host", "nvme")
 STATE_CODECS = (None, "dynamic8")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -91,7 +91,8 @@ class OffloadConfig:
 
     @property
     def uses_nvme(self) -> bool:
-        return "nvme" in (self.params, self.optimizer_states, self.gradients)
+        """Some state lives on a persistent tier (it needs nvme_paths)."""
+        return any(tier_info(t).persistent for t in (self.params, self.optimizer_states, self.gradients))
 
     def replace(self, **changes) -> "OffloadConfig":
         """A copy with some fields changed (e.g. other tiers to load a checkpoint into)."""

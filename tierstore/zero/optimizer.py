@@ -36,6 +36,7 @@ import torch
 
 from ..errors import MisuseError, TierstoreValueError
 from ..store import Store
+from ..tiers import tier_info
 from . import _dist, keys
 from ._layout import Layout
 from .config import OffloadConfig
@@ -223,7 +224,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self._states8 = EightBitStates(self.store, config.optimizer_states, policy, buffers, nthreads=None)
         self._skipped = SkippedParams(self.layout, self.rank, optimizer_class, self.optimizer_kwargs,
                                       self.inner.param_groups, self._templates, self.device)
-        fused8 = policy is not None and config.optimizer_states == "nvme" and fused8_capable(
+        fused8 = policy is not None and tier_info(config.optimizer_states).holds_encoded_bytes and fused8_capable(
             optimizer_class, self.inner.param_groups, self.device)
         self._stepper = SubgroupStepper(self.store, config, self.inner, self._placeholder, self._gid_group,
                                         self._templates, self._states8, self._skipped, buffers,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ..tiers import tier_info
 from . import keys
 
 
@@ -57,7 +58,7 @@ class EightBitStates:
         return (gid, key) in self.packed
 
     def scheme(self, key: str, t: torch.Tensor) -> str | None:
-        if self.policy is None or self.tier != "nvme" or t.dim() != 1:
+        if self.policy is None or not tier_info(self.tier).holds_encoded_bytes or t.dim() != 1:
             return None
         return self.policy.scheme_for(key, t)
 

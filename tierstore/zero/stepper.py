@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..tiers import tier_info
 from . import keys
 from .pipeline import StepPipeline
 from .skipped import SkippedParams
@@ -124,7 +125,8 @@ class SubgroupStepper:
     def step(self, gids: list[int], coef: float) -> None:
         """Step sub-groups `gids`, their gradients multiplied by `coef` first."""
         cfg = self.config
-        on_disk = "nvme" in (cfg.optimizer_states, cfg.gradients) or (cfg.params == "nvme" and not self.shared_master)
+        on_disk = any(tier_info(t).persistent for t in (cfg.optimizer_states, cfg.gradients)) or (
+            tier_info(cfg.params).persistent and not self.shared_master)
         if (not on_disk and cfg.gradients == cfg.optimizer_states
                 and all(gid in self.state_keys for gid in gids)):
             self._step_in_place(gids, coef)  # [Note: one inner step for memory tiers]
@@ -153,7 +155,7 @@ class SubgroupStepper:
                 t.close()
 
     def _on_memory(self, name: str, tier: str) -> bool:
-        return tier in ("device", "host") and tier in self.store.tensor(name).tiers
+        return tier_info(tier).memory and tier in self.store.tensor(name).tiers
 
     def _fused8_for(self, gid: int) -> bool:
         """Whether sub-group `gid` is stepped by the fused 8-bit kernel ([Note: fused 8-bit step in ZeRO-3])."""

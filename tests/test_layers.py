@@ -1,0 +1,97 @@
+"""The store's layers import one way (issue 15): Store -> residency -> tiers -> io, with the handle, the
+manifest, zarr and encoding beside them, and no import circle -- not even one hidden under TYPE_CHECKING."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "tierstore")
+
+# Each module may import only modules of a lower rank (and the leaves any module may use).
+RANK = {
+    "tierstore.store": 6,
+    "tierstore.tensor": 5,
+    "tierstore.zarr_io": 4, "tierstore.manifest": 4,
+    "tierstore.residency": 4,
+    "tierstore.tiers": 3,  # the package and its modules
+    "tierstore.encoding": 2,
+    "tierstore.io": 1,
+    "tierstore.errors": 0, "tierstore._units": 0, "tierstore._native": 0,
+}
+STORE_MODULES = ["tierstore.encoding", "tierstore.manifest", "tierstore.zarr_io", "tierstore.residency",
+                 "tierstore.tensor", "tierstore.store", "tierstore.tiers", "tierstore.tiers.base",
+                 "tierstore.tiers.device", "tierstore.tiers.host", "tierstore.tiers.nvme"]
+
+
+def _rank(module: str) -> int | None:
+    parts = module.split(".")
+    while parts:
+        r = RANK.get(".".join(parts))
+        if r is not None:
+            return r
+        parts.pop()
+    return None
+
+
+def _imports(module: str) -> list[tuple[str, int]]:
+    """Every tierstore module `module` imports (at any depth of its code, TYPE_CHECKING blocks included)."""
+    rel = module.split(".")[1:]
+    path = os.path.join(PKG, *rel) + ".py"
+    is_pkg = not os.path.exists(path)
+    if is_pkg:
+        path = os.path.join(PKG, *rel, "__init__.py")
+    package = module.split(".") if is_pkg else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            names = [target] if node.module else [f"{target}.{a.name}" for a in node.names]
+            found += [(n, node.lineno) for n in names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+    return [(n, line) for n, line in found if n.startswith("tierstore")]
+
+
+@pytest.mark.parametrize("module", STORE_MODULES)
+def test_imports_only_go_down(module):
+    own = _rank(module)
+
+    def allowed(n: str) -> bool:
+        r = _rank(n)
+        both_tiers = n.startswith("tierstore.tiers") and module.startswith("tierstore.tiers")
+        return r is None or r < own or both_tiers
+    up = [(n, line) for n, line in _imports(module) if not allowed(n)]
+    assert not up, f"{module} imports a layer at or above its own: {up}"
+
+
+def test_residency_knows_nothing_of_the_store_or_the_handle():
+    names = {n for n, _line in _imports("tierstore.residency")}
+    assert not {n for n in names if n.startswith(("tierstore.store", "tierstore.tensor", "tierstore.zarr_io"))}
+
+
+CHILD = """
+import importlib, sys, torch, numpy, traceback
+failed = []
+for m in sys.argv[1:]:
+    for k in [k for k in sys.modules if k.startswith("tierstore")]:
+        del sys.modules[k]
+    try:
+        importlib.import_module(m)
+    except Exception:
+        failed.append(m + ": " + traceback.format_exc(limit=3))
+print("\\n".join(failed))
+"""
+
+
+def test_each_module_imports_alone():
+    """Importing any store module first (nothing of tierstore loaded before it) works: no circle depends on
+    the order modules happen to be imported in."""
+    r = subprocess.run([sys.executable, "-c", CHILD, *STORE_MODULES], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout[-3000:] + r.stderr[-2000:]

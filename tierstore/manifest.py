@@ -1,0 +1,187 @@
+"""The manifest: the one file naming every tensor of a store's last completed flush (manifest.json in the
+first directory). Its format constants, reading and validating it, and writing it crash-safely.
+
+[Note: the manifest is untrusted input]
+The crc32c catches damage, not a manifest someone wrote on purpose (they compute it too). So `Store.open`
+checks every field before it creates, allocates or reads anything: types and ranges, shape x dtype itemsize
+== nbytes (== the extent's length for raw bytes), a known dtype, a codec that decodes to numbers (numcodecs'
+pickle and object codecs are refused: decoding them would unpickle or build Python objects), 4 KiB-aligned
+extents of align_up(length) bytes inside extent files that exist in every directory, no two extents
+overlapping, and ndirs / stripe_unit as opened. A malformed manifest is a CorruptionError naming the file
+and the field. An extent reaching past the end of its (truncated) file damages that tensor only: reading
+it is a CorruptionError naming it, raised before any memory is allocated for it. The version is also
+written inside the checksummed body (manifests from before that keep it outside only, and still open).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+from typing import NamedTuple
+
+import crc32c
+import torch
+
+from .encoding import IDENTITY, codec_config, codec_from_config, dtype_name
+from .errors import CorruptionError, TierstoreValueError, io_error
+from .tiers import Extent, profile_range
+from .tiers.nvme import EXTENT_FILE
+
+MANIFEST = "manifest.json"
+FORMAT = "tierstore-manifest"
+VERSION = 1
+STORED_DTYPES: dict[str, torch.dtype] = {  # dtypes a manifest (and a checkpoint record) may name
+    n: getattr(torch, n) for n in (
+        "float64", "float32", "float16", "bfloat16", "complex64", "complex128", "int64", "int32", "int16", "int8",
+        "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+        "float8_e5m2fnuz") if isinstance(getattr(torch, n, None), torch.dtype)}
+OBJECT_CODECS = ("pickle", "json2", "msgpack2", "vlen-utf8", "vlen-bytes", "vlen-array")  # numcodecs ids
+
+
+class Entry(NamedTuple):
+    """One tensor a manifest names, its fields checked."""
+
+    name: str
+    shape: list
+    dtype: torch.dtype
+    codec: object
+    extent: Extent
+
+
+def _manifest_crc(body: dict) -> int:
+    return crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _corrupt(path: str, field: str, what: str) -> CorruptionError:
+    return CorruptionError(f"the manifest {path}: field {field}: {what}; it is damaged or was not written by "
+                           "tierstore: restore it from a backup", path)
+
+
+def read_manifest(directory: str) -> dict | None:
+    """The manifest body in `directory`, None when there is none. CorruptionError when unreadable; the fields
+    are checked by parse_body ([Note: the manifest is untrusted input])."""
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CorruptionError(f"the manifest {path} is not valid ({e}); restore it from a backup", path) from None
+    body = doc.get("body") if isinstance(doc, dict) else None
+    if not isinstance(body, dict) or doc.get("format") != FORMAT:
+        raise CorruptionError(f"the manifest {path} is not a {FORMAT!r} document (or its body is not a dict); "
+                              "restore it from a backup", path)
+    if type(doc.get("crc32c")) is not int or _manifest_crc(body) != doc["crc32c"]:
+        raise CorruptionError(f"the manifest {path} fails its checksum; restore it from a backup", path)
+    version = doc.get("version")
+    if "version" in body and body["version"] != version:  # written under the checksum since it was added
+        raise _corrupt(path, "version", f"{version!r} outside the checksummed body, {body['version']!r} inside")
+    if type(version) is not int or version < 1:
+        raise _corrupt(path, "version", f"{version!r} is not a version")
+    if version > VERSION:
+        raise TierstoreValueError(f"{path} has format version {version}; this tierstore reads "
+                                  f"<= {VERSION}: upgrade tierstore")
+    return body
+
+
+def parse_body(body: dict, where: str, ndirs: int, stripe_unit: int) -> tuple[int, list[Entry]]:
+    """The generation and the tensors of a manifest body, every field checked except the extents against the
+    files (the persistent tier's check_extents does that) ([Note: the manifest is untrusted input]).
+    `where` names the manifest in errors; ndirs and stripe_unit are the store's as opened."""
+    for f in ("generation", "ndirs", "stripe_unit"):
+        if type(body.get(f)) is not int or body[f] < (0 if f == "generation" else 1):
+            raise _corrupt(where, f, f"{body.get(f)!r} is not a positive integer")
+    if body["ndirs"] != ndirs or body["stripe_unit"] != stripe_unit:
+        raise TierstoreValueError(
+            f"{where} describes a store striped over {body['ndirs']} directories with stripe_unit="
+            f"{body['stripe_unit']}; open it with the same directories in the same order and that stripe_unit")
+    files = body.get("extent_files")
+    if not isinstance(files, list) or files != [EXTENT_FILE.format(k) for k in range(len(files))]:
+        raise _corrupt(where, "extent_files", "not the list extents-0000.bin, extents-0001.bin ...")
+    tensors = body.get("tensors")
+    if not isinstance(tensors, dict):
+        raise _corrupt(where, "tensors", "not a map of names to tensors")
+    parsed = []
+    for name, d in tensors.items():
+        field = f"tensors[{name!r}]"
+        if not name or not isinstance(d, dict):
+            raise _corrupt(where, field, "not a named tensor")
+        shape, dt = d.get("shape"), STORED_DTYPES.get(str(d.get("dtype")))
+        if not isinstance(shape, list) or len(shape) > 64 or not all(type(n) is int and 0 <= n < 1 << 62
+                                                                     for n in shape):
+            raise _corrupt(where, f"{field}.shape", f"{str(shape)[:80]} is not a shape")
+        if dt is None:
+            raise _corrupt(where, f"{field}.dtype", f"{str(d.get('dtype'))[:40]!r} is not a dtype the store holds")
+        nbytes = math.prod(shape) * dt.itemsize  # bytes
+        if d.get("nbytes") != nbytes or type(d["nbytes"]) is not int:
+            raise _corrupt(where, f"{field}.nbytes", f"{d.get('nbytes')!r} is not {shape} x {dt.itemsize} bytes")
+        codec = manifest_codec(d.get("codec"), where, f"{field}.codec")
+        ext = Extent.from_json(d.get("extent"), where, f"{field}.extent")
+        if codec is IDENTITY and ext.length != nbytes:
+            raise _corrupt(where, f"{field}.extent.length", f"{ext.length} bytes hold {nbytes} raw bytes")
+        parsed.append(Entry(name, shape, dt, codec, ext))
+    return body["generation"], parsed
+
+
+def manifest_codec(config, where: str, field: str):
+    """The codec a manifest entry names; codecs that decode to Python objects (numcodecs' pickle codec
+    unpickles) are refused."""
+    if config is None:
+        return IDENTITY
+    if not isinstance(config, dict) or not isinstance(config.get("id"), str):
+        raise _corrupt(where, field, f"{str(config)[:80]} is not a codec configuration")
+    if config["id"] in OBJECT_CODECS:
+        raise _corrupt(where, field, f"codec {config['id']!r} decodes to Python objects (or unpickles); a "
+                       "store never uses it")
+    try:
+        return codec_from_config(config)
+    except (ValueError, TypeError, KeyError) as e:
+        if "not available" in str(e) or "codec not" in str(e):
+            raise TierstoreValueError(f"{where}: {field} names codec {config['id']!r}, which is not "
+                                      f"registered: import the package that provides it first") from None
+        raise _corrupt(where, field, f"{type(e).__name__}: {e}") from None
+
+
+def tensor_entry(shape, dtype: torch.dtype, nbytes: int, codec, extent: Extent) -> dict:
+    """The manifest's record of one tensor whose bytes are `extent`."""
+    return {"shape": list(shape), "dtype": dtype_name(dtype), "nbytes": nbytes, "codec": codec_config(codec),
+            "extent": extent.to_json()}
+
+
+def write_manifest(directory: str, tensors: dict[str, dict], *, generation: int, ndirs: int, stripe_unit: int,
+                   nfiles: int) -> None:
+    """Write the manifest naming `tensors` (name -> tensor_entry) to a temporary file in `directory`, fsync it
+    and rename it over the last one (the directory fsync that makes the rename durable is the caller's).
+    Raises with nothing renamed."""
+    body = {
+        "version": VERSION,  # under the checksum (manifests before it have the version outside only)
+        "generation": generation, "ndirs": ndirs, "stripe_unit": stripe_unit,
+        "extent_files": [EXTENT_FILE.format(k) for k in range(nfiles)],
+        "tensors": tensors,
+    }
+    # Serialised once, by json's C encoder (json.dump to a file takes the pure-Python path): the body in
+    # the canonical form its crc32c covers, wrapped as the document (see read_manifest).
+    body_text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    text = (f'{{"format":{json.dumps(FORMAT)},"version":{VERSION},'
+            f'"crc32c":{crc32c.crc32c(body_text.encode())},"body":{body_text}}}')
+    final = os.path.join(directory, MANIFEST)
+    tmp = final + ".tmp"
+    with profile_range("tierstore::manifest"):
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise io_error(e.errno or errno.EIO, "flush: writing the manifest", tmp, None, None,
+                           "nothing was renamed, the previous flush stands and every unflushed value is still "
+                           "held: once that is fixed, call flush() again") from None

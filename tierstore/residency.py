@@ -1,0 +1,678 @@
+"""The residency layer: which tier holds a copy of which tensor, and every move between tiers.
+
+It alone owns placement: the lock, each tensor's copies / versions / pins / committed extent (a `Placement`
+record per name), the per-tier least-recently-used orders and budgets, spill and demotion, the fallback
+after a failed write, and the one read path every read goes through (get, get_many, prefetch, resident).
+Store (above) keeps names' validation, the store's lifecycle, flush orchestration and the public API;
+TieredTensor is a handle that asks this layer. Below are the tiers, called through the contracts of
+tiers/base.py and known by their capabilities ([Note: tiers are known by their capabilities]).
+
+[Note: copies and versions]
+`Placement.copies` maps tier -> copy (a torch.Tensor on a memory tier, an Extent on the persistent tier);
+every copy in it holds the current value. `update()` and write-back bump `version`, so a read that ran
+without the lock (persistent-tier reads do, to let other threads work) can tell that its result went
+stale. `pins` counts resident() blocks and reads or moves in progress: a pinned tensor is never spilled.
+
+[Note: budgets and spill]
+`put(tier=None)` places a tensor on the fastest tier whose budget can hold it at all, making room by
+spilling that tier's least recently used tensors one tier down (a tensor that already has a copy lower
+down is simply dropped). Tensors inside `resident()` blocks or being moved are never spilled. Only when no
+tier can take it is TierFullError raised, naming every budget.
+
+[Note: locking]
+One re-entrant lock guards the tensors' metadata, budgets and moves between memory tiers, and writes to the
+persistent tier (a memcpy into a staging buffer for small tensors). Reads from the persistent tier run
+without it, so a prefetch on a worker thread does not stall other threads; a read returns the value the
+tensor had when it began (the extent it reads is not reused until it ends), and a read whose extent was
+already freed when it began is retried on the current one. Store.flush() holds the lock while it snapshots
+the tensors and marks their extents as named by a manifest, then releases it for the waiting and fsyncs.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .encoding import IDENTITY, as_bytes, codec_config, copy_host, decode, encode, nbytes_of, out_bytes
+from .errors import MisuseError, TierFullError, TierstoreIOError, TierstoreValueError, prefixed
+from .io.pool import physical_memory
+from .tiers import MEMORY_TIERS, PERSISTENT_TIERS, TIERS, MemoryTier, PersistentTier, profile_range, tier_index, \
+    tier_info
+from .tiers.host import result_empty
+
+log = logging.getLogger("tierstore.store")
+
+
+class Placement:
+    """One named value and where its copies are. Owned by Residency; read its fields, never set them."""
+
+    __slots__ = ("name", "shape", "dtype", "nbytes", "codec", "copies", "committed", "committed_meta", "pins",
+                 "version", "deleted", "manifest_entry")
+
+    def __init__(self, name: str, shape, dtype: torch.dtype, codec=None):
+        self.name = name
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.nbytes = nbytes_of(self.shape, dtype)  # bytes, decoded
+        self.codec = codec if codec is not None else IDENTITY
+        self.copies: dict[str, Any] = {}
+        self.committed: Any = None  # the extent the last durable manifest names
+        # shape, dtype and codec of the bytes at `committed` when they are not this value's own (a put() that
+        # replaced a flushed tensor of another shape, dtype or codec): a revert to them restores those too
+        self.committed_meta: tuple | None = None
+        self.pins = 0  # resident() blocks, reads and moves in progress: not evictable while > 0
+        self.version = 0
+        self.deleted = False
+        self.manifest_entry: tuple[Any, dict] | None = None  # (extent, its manifest entry), kept by Store.flush
+
+
+class Residency:
+    """Placement of every tensor over `tiers` (name -> tier object, every name of the registry).
+
+    accelerator: the memory tier whose copies live on the accelerator (it copies them out to the CPU);
+    staging: the memory tier whose copies are CPU memory (encoding and decoding happen in its memory).
+    where: the store's first directory, named in errors."""
+
+    def __init__(self, tiers: dict[str, Any], *, accelerator: MemoryTier, staging: MemoryTier, workers: int,
+                 read_only: bool, where: str):
+        if set(tiers) != set(TIERS):
+            raise TierstoreValueError(f"tiers {sorted(tiers)} do not match the registry's {TIERS}")
+        for name, obj in tiers.items():
+            contract = PersistentTier if tier_info(name).persistent else MemoryTier
+            if not isinstance(obj, contract):
+                raise TierstoreValueError(f"the {name} tier ({type(obj).__name__}) does not keep the "
+                                          f"{contract.__name__} contract of tiers/base.py")
+        self.lock = threading.RLock()
+        self._tiers = tiers
+        (self._disk_name,) = PERSISTENT_TIERS  # the one tier whose copies a manifest names
+        self._disk: PersistentTier = tiers[self._disk_name]
+        self._accel = accelerator
+        self._staging = staging
+        self._lru: dict[str, OrderedDict] = {t: OrderedDict() for t in TIERS}
+        self._table: dict[str, Placement] = {}
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierstore-move")
+        self.read_only = read_only
+        self.closed = False
+        self._where = where
+
+    # -- lifecycle (decided by Store, checked here) ----------------------------------------------------
+    def check_open(self) -> None:
+        if self.closed:
+            raise MisuseError("the store is closed; open it again with tierstore.Store.open(paths)")
+
+    def check_writable(self, what: str) -> None:
+        self.check_open()
+        if self.read_only:
+            raise MisuseError(f"{what}: the store at {self._where} was opened read-only (Store.open(paths, "
+                              "mode='r')) and changes nothing; open it with mode='w' to change it")
+
+    def check(self, p: Placement) -> None:
+        """Refuse a handle whose value was deleted or replaced, or a closed store."""
+        if p.deleted:
+            raise MisuseError(f"tensor {p.name!r} was deleted from (or replaced in) the store; get the "
+                              f"current one with store.tensor({p.name!r}) or put it again")
+        self.check_open()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        self.check_open()
+        return self._executor.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    # -- names ------------------------------------------------------------------------------------------
+    def lookup(self, name: str) -> Placement:
+        with self.lock:
+            self.check_open()
+            try:
+                return self._table[name]
+            except KeyError:
+                raise KeyError(f"no tensor named {name!r} in the store") from None
+
+    def names(self) -> list[str]:
+        with self.lock:
+            self.check_open()
+            return list(self._table)
+
+    def holds(self, name: object) -> bool:
+        with self.lock:
+            self.check_open()
+            return name in self._table
+
+    def delete(self, name: str) -> None:
+        with self.lock:
+            self.check_writable(f"delete({name!r})")
+            p = self._table.pop(name, None)
+            if p is None:
+                raise KeyError(f"no tensor named {name!r} in the store")
+            self._discard(p)
+
+    def adopt(self, entries, where: str) -> None:
+        """Take the tensors of a manifest read at open (manifest.Entry records, their fields checked): each
+        extent is checked against the files, then held as the tensor's only, committed copy."""
+        self._disk.check_extents([(f"tensors[{e.name!r}].extent", e.extent) for e in entries], where)
+        with self.lock:
+            for e in entries:
+                p = Placement(e.name, e.shape, e.dtype, e.codec)
+                p.copies[self._disk_name] = e.extent
+                p.committed = e.extent
+                self._lru[self._disk_name][p] = None
+                self._table[e.name] = p
+        self._disk.adopt([e.extent for e in entries])
+
+    # -- state --------------------------------------------------------------------------------------------
+    def tiers_of(self, p: Placement) -> frozenset[str]:
+        with self.lock:
+            return frozenset(p.copies)
+
+    def dirty(self, p: Placement) -> bool:
+        with self.lock:
+            ext = p.copies.get(self._disk_name)
+            return ext is None or ext is not p.committed
+
+    def encoded_nbytes(self, p: Placement) -> int | None:
+        with self.lock:
+            ext = p.copies.get(self._disk_name)
+            return None if ext is None else ext.length
+
+    def tier_count(self, tier: str) -> int:
+        with self.lock:
+            return len(self._lru[tier])
+
+    def tier_for(self, device) -> str:
+        """The memory tier a `device=` argument names: a tier name, the accelerator's device, or 'cpu'."""
+        if device is None:
+            return self._accel.name
+        if isinstance(device, str) and device in MEMORY_TIERS:
+            return device
+        dev = torch.device(device)
+        acc = self._accel.device
+        if dev == acc or (dev.index is None and dev.type == acc.type):
+            return self._accel.name
+        if dev.type == "cpu":
+            return self._staging.name
+        raise TierstoreValueError(f"device={device!r}: this store's device tier is {acc}; pass "
+                                  "'device', 'host', that device or 'cpu'")
+
+    # -- copies (lock held) ---------------------------------------------------------------------------------
+    def _fastest(self, p: Placement) -> str:
+        for t in TIERS:
+            if t in p.copies:
+                return t
+        raise MisuseError(f"tensor {p.name!r} has no copy on any tier (it was lost after a failed write)")
+
+    def _memory_copy(self, p: Placement) -> torch.Tensor | None:
+        for t in MEMORY_TIERS:
+            if t in p.copies:
+                return p.copies[t]
+        return None
+
+    def _install(self, p: Placement, tier: str, copy) -> None:
+        old = p.copies.get(tier)
+        if old is not None and old is not copy:
+            self._free_copy(p, tier, old)
+        p.copies[tier] = copy
+        self._lru[tier][p] = None
+        self._lru[tier].move_to_end(p)
+
+    def _free_copy(self, p: Placement, tier: str, copy) -> None:
+        if tier_info(tier).persistent:
+            self._disk.free(copy)
+        else:
+            self._tiers[tier].budget.give(p.nbytes)
+
+    def _remove(self, p: Placement, tier: str) -> None:
+        copy = p.copies.pop(tier)
+        self._lru[tier].pop(p, None)
+        self._free_copy(p, tier, copy)
+
+    def _discard(self, p: Placement) -> None:
+        for tier in list(p.copies):
+            self._remove(p, tier)
+        p.deleted = True
+
+    def _touch(self, p: Placement) -> None:
+        for t in p.copies:
+            lru = self._lru[t]
+            if p in lru:
+                lru.move_to_end(p)
+
+    def _place_memory(self, p: Placement, tier: str, value: torch.Tensor) -> None:
+        """Install a copy of `value` on memory tier `tier`; room must have been made."""
+        tobj = self._tiers[tier]
+        copy = tobj.copy_in(value)
+        tobj.budget.take(p.nbytes)
+        self._install(p, tier, copy)
+
+    def _write_disk(self, p: Placement, src: torch.Tensor) -> None:
+        """Write `src` (the current value, any device) as the persistent copy. When no space can be reserved
+        for it (TierstoreIOError, nothing written) a persistent copy that a memory copy has overtaken is
+        dropped -- the memory copy holds the value, the next flush writes it -- and the error is raised."""
+        cpu = src if src.device.type == "cpu" else self._accel.copy_out(src, self._staging.empty(
+            tuple(src.shape), src.dtype))
+        try:
+            ext = self._disk.write(encode(p.codec, cpu.contiguous(), p.nbytes), f"tensor {p.name!r}")
+        except TierstoreIOError:
+            if self._disk_name in p.copies and self._memory_copy(p) is not None:
+                self._remove(p, self._disk_name)  # stale: resident(writeback=True) changed the memory copy
+            raise
+        self._install(p, self._disk_name, ext)
+
+    # -- budgets and spill (lock held; [Note: budgets and spill]) ----------------------------------------------
+    def budgets_text(self) -> str:
+        parts = []
+        for t in TIERS:
+            b = self._tiers[t].budget
+            lim = "unlimited" if b.limit is None else str(b.limit)
+            parts.append(f"{t}_budget={lim} ({b.used} used)")
+        return ", ".join(parts)
+
+    def _full_error(self, tier: str | None, p: Placement) -> TierFullError:
+        where = f"on the {tier} tier" if tier else "on any tier"
+        return TierFullError(f"no room for {p.name!r} ({p.nbytes} bytes) {where}: {self.budgets_text()}; "
+                             "everything that could be spilled was. Raise a budget, put it on a slower tier, "
+                             "or delete tensors")
+
+    def _make_room(self, tier: str, nbytes: int, exclude: Placement | None = None) -> bool:
+        """Spill LRU tensors of memory tier `tier` down until `nbytes` fit. False if impossible."""
+        b = self._tiers[tier].budget
+        if not b.fits_at_all(nbytes):
+            return False
+        if b.room() >= nbytes:
+            return True
+        for victim in list(self._lru[tier]):
+            if b.room() >= nbytes:
+                break
+            if victim is exclude or victim.pins:
+                continue
+            self._demote(victim, tier)
+        return b.room() >= nbytes
+
+    def _demote(self, v: Placement, tier: str) -> None:
+        lower = TIERS[tier_index(tier) + 1:]
+        dest = next((lt for lt in lower if lt in v.copies), None)
+        if dest is None:
+            for lt in lower:
+                if tier_info(lt).persistent:
+                    self._write_disk(v, v.copies[tier])
+                    dest = lt
+                    break
+                if self._make_room(lt, v.nbytes, exclude=v):
+                    self._place_memory(v, lt, v.copies[tier])
+                    dest = lt
+                    break
+        self._remove(v, tier)
+        log.debug("spilled %r (%d bytes) from %s to %s to make room (%s)", v.name, v.nbytes, tier, dest,
+                  self.budgets_text())
+
+    # -- a failed write (lock held) --------------------------------------------------------------------
+    def write_failed(self, p: Placement, ext, err: BaseException) -> str:
+        """The write of `ext`, p's persistent copy, failed: fall back to what is still valid. Returns what
+        became of p's value: 'replaced' (a newer value took its place meanwhile), 'kept' (a memory copy holds
+        it; the next flush writes it again), 'reverted' (it existed only in the failed write: the name is back
+        at its last flushed value) or 'removed' (it existed only there and was never flushed: the name is gone)."""
+        disk = self._disk_name
+        if p.copies.get(disk) is not ext:
+            return "replaced"
+        self._remove(p, disk)
+        if self._memory_copy(p) is not None:
+            return "kept"
+        committed = p.committed
+        if committed is not None and committed is not ext:
+            self._disk.unfree(committed)
+            if p.committed_meta is not None:  # the flushed bytes are of another shape/dtype/codec: restore
+                shape, dtype, codec = p.committed_meta  # the value they belong to, not p's metadata over them
+                p.deleted = True
+                p = self._table[p.name] = Placement(p.name, shape, dtype, codec)
+                p.committed = committed
+            p.copies[disk] = committed
+            self._lru[disk][p] = None
+            p.version += 1
+            log.error("tensor %r: writing its new value failed (%s); it is back at its last flushed value",
+                      p.name, err)
+            return "reverted"
+        if self._table.get(p.name) is p:
+            del self._table[p.name]
+        p.deleted = True
+        log.error("tensor %r: writing it failed (%s) and no other copy existed; it was never flushed and "
+                  "is gone", p.name, err)
+        return "removed"
+
+    def _after_read_error(self, p: Placement, ext, err: BaseException) -> None:
+        w = ext.written
+        if w is not None and w.done() and w.exception() is not None:  # its write failed
+            with self.lock:
+                self.write_failed(p, ext, err)
+
+    # -- put --------------------------------------------------------------------------------------------------
+    def put(self, name: str, value: torch.Tensor, tier: str | None, codec) -> Placement:
+        """Place `value` under `name` (on `tier`, or the fastest with room), replacing what the name held."""
+        self._check_copy_fits(name, value, tier, codec)
+        with self.lock:
+            self.check_open()
+            p = Placement(name, value.shape, value.dtype, codec)
+            if tier is not None and tier_info(tier).memory and not self._tiers[tier].budget.fits_at_all(p.nbytes):
+                raise self._full_error(tier, p)
+            placed = None
+            try:
+                for tr in ([tier] if tier is not None else TIERS):
+                    if tier_info(tr).persistent:
+                        self._write_disk(p, value)
+                    elif self._make_room(tr, p.nbytes, exclude=p):
+                        self._place_memory(p, tr, value)
+                    else:
+                        continue
+                    placed = tr
+                    break
+            except TierstoreIOError as e:  # no room reserved on disk (for it or a tensor spilled for it)
+                self._discard(p)
+                raise prefixed(e, f"put({name!r}) did not store the value (the store keeps what it held under "
+                                  "that name, if anything)") from None
+            if placed is None:
+                raise self._full_error(tier, p)
+            old = self._table.get(name)
+            if old is not None:
+                p.committed = old.committed
+                if old.committed is not None:
+                    meta = old.committed_meta or (old.shape, old.dtype, old.codec)
+                    if (meta[0], meta[1], codec_config(meta[2])) != (p.shape, p.dtype, codec_config(p.codec)):
+                        p.committed_meta = meta
+                self._discard(old)
+            self._table[name] = p
+            return p
+
+    def _check_copy_fits(self, name: str, value: torch.Tensor, tier: str | None, codec) -> None:
+        """Refuse, before any allocation, a put whose copy of `value` can never exist in host memory.
+
+        Every placement but two makes one contiguous host copy of all the tensor's bytes: the host tier's
+        copy, or the staging copy the persistent tier encodes and writes from. The exceptions are a copy on
+        a real accelerator, and a contiguous CPU tensor written as it is (identity codec) to the persistent
+        tier. An expanded view (`torch.zeros(1).expand(2**40)`) holds 4 bytes and names 4 TiB."""
+        nbytes = value.numel() * value.element_size()  # bytes, decoded
+        if tier is not None and tier_info(tier).persistent and value.device.type == "cpu" and \
+                value.is_contiguous() and codec in (None, IDENTITY):
+            return
+        if tier in (None, self._accel.name) and self._accel.device.type != "cpu" and \
+                self._accel.budget.fits_at_all(nbytes):
+            return
+        memory = physical_memory()
+        if memory is not None and nbytes > memory:
+            raise TierFullError(
+                f"put({name!r}): the tensor ({tuple(value.shape)} {value.dtype}) needs a contiguous copy of "
+                f"{nbytes} bytes in host memory, more than this machine has ({memory} bytes); it is "
+                f"{'an expanded or strided view' if not value.is_contiguous() else 'too large'}. Store it in "
+                "pieces under several names, or store what it was made from (e.g. the tensor before expand())")
+
+    # -- the one read path --------------------------------------------------------------------------------
+    def read(self, keys: list, device=None, outs: list | None = None, *, by_name: bool) -> list[torch.Tensor]:
+        """The current values of `keys` (names when by_name, else Placements: a deleted one raises
+        MisuseError) as tensors the caller owns: on `device` (default: where the fastest copy is; the
+        persistent tier -> CPU), or written into outs[i] (a tensor of that shape and dtype; a contiguous CPU
+        one is read into directly) and returned. Reads of persistent-only values are coalesced.
+
+        A read by name resolves the name again when the value it began to read is replaced before the read
+        could start ([Note: a read by name sees the old or the new value] in store.py)."""
+        outs = outs if outs is not None else [None] * len(keys)
+        got = self._read_current(keys, outs, device, by_name)
+        result = []
+        for (p, value, fresh), out in zip(got, outs):
+            if out is None:
+                if device is None or torch.device(device) == value.device:
+                    result.append(value if fresh else value.clone())
+                else:
+                    result.append(value.to(device, copy=True))
+                continue
+            direct = out_bytes(out) if p.codec is IDENTITY else None
+            if direct is None or value.data_ptr() != out.data_ptr():
+                if direct is not None and value.device.type == "cpu" and value.is_contiguous():
+                    copy_host(direct, as_bytes(value))
+                else:
+                    out.copy_(value)
+            result.append(out)
+        return result
+
+    def _read_current(self, keys: list, outs: list, device,
+                      by_name: bool) -> list[tuple[Placement, torch.Tensor, bool]]:
+        """For each key, (its placement, its value, fresh): a memory copy (not ours: fresh=False) or a new CPU
+        tensor read from the persistent tier -- into out's bytes when they can take it (fresh=True). Reads
+        run without the lock; each returns the value the tensor had when it began (its extent is held and
+        checksummed). Retries only a read whose extent was freed before it could begin."""
+        n = len(keys)
+        got: list[Any] = [None] * n
+        pending = list(range(n))
+        disk = self._disk_name
+        while pending:
+            batch = []  # (i, placement, extent, version at pin, buffer)
+            try:
+                with self.lock:
+                    for i in pending:
+                        p = self.lookup(keys[i]) if by_name else keys[i]
+                        self.check(p)
+                        if outs[i] is not None:
+                            check_out(p, outs[i], device)
+                        mem = self._memory_copy(p)
+                        if mem is not None:
+                            self._touch(p)
+                            got[i] = (p, mem, False)
+                            continue
+                        ext = p.copies.get(disk)
+                        if ext is None:
+                            self._fastest(p)  # raises: lost
+                        self._disk.check_readable(ext, f"tensor {p.name!r}")
+                        p.pins += 1
+                        batch.append([i, p, ext, p.version, None])
+                for item in batch:  # the caller's result (or out=), not a host-tier copy
+                    i, p, ext = item[0], item[1], item[2]
+                    into = out_bytes(outs[i]) if outs[i] is not None and p.codec is IDENTITY else None
+                    item[4] = into if into is not None and ext.length == p.nbytes else result_empty(ext.length)
+                errors = self._disk.read_many([(ext, buf, f"tensor {p.name!r}") for _i, p, ext, _v, buf in batch]) \
+                    if batch else []
+            finally:
+                with self.lock:
+                    for _i, p, _e, version, _b in batch:
+                        p.pins -= 1
+                        if p.version == version and not p.deleted:
+                            self._touch(p)
+            retry, first_error = [], None
+            for (i, p, ext, version, buf), err in zip(batch, errors):
+                if err is None:
+                    # The value as it was when the read began, whatever happened since: its extent could not be
+                    # reused while the read held it, and its crc32c was checked. Retrying here instead would
+                    # starve a reader of a tensor rewritten faster than it can be read.
+                    got[i] = (p, buf, True)
+                    continue
+                if isinstance(err, MisuseError):
+                    with self.lock:
+                        if p.version != version or p.deleted:
+                            retry.append(i)  # replaced while we read: try again
+                            continue
+                else:
+                    self._after_read_error(p, ext, err)
+                first_error = first_error or err
+            if first_error is not None:
+                raise first_error
+            pending = retry
+        for i, (p, value, fresh) in enumerate(got):
+            if fresh:
+                got[i] = (p, decode(p.codec, value, p.shape, p.dtype, p.name, self._staging.empty), True)
+        return got
+
+    # -- moves ----------------------------------------------------------------------------------------------
+    def bring_to(self, p: Placement, tier: str) -> None:
+        """Make sure memory tier `tier` holds a copy of p (spilling others to make room)."""
+        if tier_info(tier).persistent:
+            raise TierstoreValueError("prefetch/resident move tensors up to 'device' or 'host'; to write a "
+                                      "tensor down use offload('nvme')")
+        while True:
+            with self.lock:
+                self.check(p)
+                if tier in p.copies:
+                    self._touch(p)
+                    return
+                version = p.version
+            [(_p, value, _fresh)] = self._read_current([p], [None], None, False)
+            with self.lock:
+                self.check(p)
+                if p.version != version:
+                    continue
+                if tier in p.copies:
+                    return
+                if not self._make_room(tier, p.nbytes, exclude=p):
+                    raise self._full_error(tier, p)
+                self._place_memory(p, tier, value)
+                return
+
+    @contextmanager
+    def resident(self, p: Placement, tier: str, *, writeback: bool) -> Iterator[torch.Tensor]:
+        """p's copy on memory tier `tier`, pinned (never spilled) inside the block; with writeback, written to
+        every other tier holding a copy on exit."""
+        if writeback:
+            self.check_writable(f"resident({p.name!r}, writeback=True)")
+        while True:
+            self.bring_to(p, tier)
+            with self.lock:
+                if tier in p.copies:
+                    p.pins += 1
+                    x = p.copies[tier]
+                    break
+        try:
+            yield x
+        finally:
+            with self.lock:
+                p.pins -= 1
+                if writeback and not p.deleted and p.copies.get(tier) is x:
+                    p.version += 1
+                    for other in list(p.copies):
+                        if other == tier:
+                            continue
+                        if tier_info(other).persistent:
+                            try:
+                                self._write_disk(p, x)
+                            except TierstoreIOError as e:  # x is kept (and written by the next flush)
+                                log.warning("tensor %r: its nvme copy was dropped, not rewritten (%s)",
+                                            p.name, e)
+                        else:
+                            with profile_range("tierstore::writeback"):
+                                p.copies[other].copy_(x)
+
+    def offload(self, p: Placement, tier: str, keep: bool) -> None:
+        """Write a copy of p down to `tier`; unless keep, drop the faster copies once it is there."""
+        with self.lock:
+            self.check(p)
+            if tier not in p.copies:
+                if tier_info(tier).persistent:
+                    self._write_disk(p, self._memory_copy(p))
+                else:
+                    if not self._make_room(tier, p.nbytes, exclude=p):
+                        raise self._full_error(tier, p)
+                    self._place_memory(p, tier, p.copies[self._fastest(p)])
+            if not keep:
+                if p.pins:
+                    raise MisuseError(f"tensor {p.name!r} is in use (inside resident()); the copy on {tier} "
+                                      "was written, but faster copies are kept: leave the block first")
+                for t in TIERS[:tier_index(tier)]:
+                    if t in p.copies:
+                        self._remove(p, t)
+
+    def drop(self, p: Placement, tier: str) -> None:
+        """Free p's copy on `tier`, keeping the others. The only copy cannot be dropped."""
+        with self.lock:
+            self.check(p)
+            if tier not in p.copies:
+                raise MisuseError(f"tensor {p.name!r} has no copy on {tier!r} to drop (it is on "
+                                  f"{sorted(p.copies, key=tier_index)})")
+            if len(p.copies) == 1:
+                raise MisuseError(f"the copy of {p.name!r} on {tier!r} is its only one; offload it first "
+                                  f"(t.offload('nvme')) or delete it with store.delete({p.name!r})")
+            if p.pins and tier_info(tier).memory:
+                raise MisuseError(f"tensor {p.name!r} is in use (inside resident() or being moved); drop "
+                                  "it after the block")
+            self._remove(p, tier)
+
+    def update(self, p: Placement, value: torch.Tensor) -> None:
+        """Replace p's value (same shape and dtype, checked by the caller): memory copies are overwritten in
+        place, the persistent copy is rewritten when it is the only one, else dropped (rewritten at flush)."""
+        with self.lock:
+            self.check(p)
+            p.version += 1
+            mem = [t for t in MEMORY_TIERS if t in p.copies]
+            with profile_range("tierstore::update"):
+                for t in mem:
+                    p.copies[t].copy_(value)
+            if self._disk_name in p.copies:
+                if mem:
+                    self._remove(p, self._disk_name)
+                else:
+                    try:
+                        self._write_disk(p, value)
+                    except TierstoreIOError as e:  # no room reserved: the previous value is intact
+                        raise prefixed(e, f"update() of tensor {p.name!r} did not store the new value (the "
+                                          "tensor keeps its previous one)") from None
+
+    # -- flush steps (called by Store.flush, [Note: crash safety] in store.py) -----------------------------
+    def flush_begin(self) -> tuple[list, list, list]:
+        """Write every value with no persistent copy yet; snapshot the persistent copies and protect them.
+        Returns (fates of values that could not be written: (placement, 'kept', error), the snapshot
+        [(placement, extent)], the extents newly protected)."""
+        disk = self._disk_name
+        with self.lock:
+            self.check_open()
+            fates: list[tuple[Placement, str, BaseException]] = []
+            for p in list(self._table.values()):
+                if disk not in p.copies and self._memory_copy(p) is not None:
+                    try:
+                        self._write_disk(p, self._memory_copy(p))
+                    except TierstoreIOError as e:  # no room reserved: the memory copy still holds it
+                        fates.append((p, "kept", e))
+            snapshot = [(p, p.copies[disk]) for p in self._table.values() if disk in p.copies]
+            protected = self._disk.protect([e for _p, e in snapshot])
+        return fates, snapshot, protected
+
+    def flush_failed(self, snapshot: list, protected: list, fates: list) -> list:
+        """After the writes were waited for: when some failed (or `fates` has some), unprotect and fall back
+        for each failed one; returns every fate (empty when all were written)."""
+        failed = [(p, e, e.written.exception()) for p, e in snapshot
+                  if e.written is not None and e.written.exception() is not None]
+        if not failed and not fates:
+            for _p, e in snapshot:
+                e.written = None
+            return []
+        with self.lock:
+            self._disk.unprotect(protected)
+            return fates + [(p, self.write_failed(p, e, err), err) for p, e, err in failed]
+
+    def unprotect(self, protected: list) -> None:
+        with self.lock:
+            self._disk.unprotect(protected)
+
+    def flush_committed(self, snapshot: list) -> None:
+        """The manifest naming `snapshot` was renamed into place."""
+        with self.lock:
+            for p, e in snapshot:
+                p.committed = e
+                p.committed_meta = None
+
+    def flush_done(self, snapshot: list) -> None:
+        """That manifest is durable: the space of versions it does not name may be reused."""
+        with self.lock:
+            self._disk.commit_done([e for _p, e in snapshot])
+
+
+def check_out(p: Placement, out, device=None) -> None:
+    """Refuse an out= tensor that cannot receive p's value."""
+    if not isinstance(out, torch.Tensor):
+        raise TierstoreValueError(f"out= for {p.name!r} must be a torch.Tensor of shape {tuple(p.shape)} "
+                                  f"and dtype {p.dtype}; got a {type(out).__name__}")
+    if tuple(out.shape) != tuple(p.shape) or out.dtype != p.dtype:
+        raise TierstoreValueError(
+            f"out= for {p.name!r} needs shape {tuple(p.shape)} and dtype {p.dtype}; got "
+            f"{tuple(out.shape)} {out.dtype}. Allocate it with torch.empty({tuple(p.shape)}, dtype={p.dtype})")
+    if device is not None and torch.device(device) != out.device:
+        if not (torch.device(device).type == out.device.type and torch.device(device).index is None):
+            raise TierstoreValueError(f"device={device!r} but out= is on {out.device}: the value goes where "
+                                      "out is; leave device out")
