@@ -40,7 +40,7 @@ a scratch copy: the kernel increments it, and the parameter's own counter is inc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch.optim.adamw import adamw as _adamw
@@ -50,6 +50,9 @@ from . import _native
 from .layout import DEFAULT_BLOCK, check_block_size
 from .quantized import Quantized, _use_native, dequantize, empty_quantized, quantize
 from .schemes import fused_adamw_pair
+
+if TYPE_CHECKING:
+    from ..typing import Codec
 
 STATE_SCHEMES = {"exp_avg": "dyn8s", "exp_avg_sq": "dyn8v"}
 MIN_QUANT_NUMEL = 4096  # elements
@@ -85,7 +88,7 @@ class StatePolicy:
             return None
         return STATE_SCHEMES.get(state)
 
-    def codec_for(self, state: str, param: torch.Tensor, name: str | None = None):
+    def codec_for(self, state: str, param: torch.Tensor, name: str | None = None) -> Codec | None:
         """The numcodecs codec to store that state with (None: store fp32 as is)."""
         from .codecs import codec_for
 
