@@ -38,7 +38,7 @@ import bisect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import torch
 
@@ -53,7 +53,7 @@ DEFAULT_MIN_IO_BYTES = 1 << 20  # bytes
 DEFAULT_ALIGNMENT = 4096  # bytes
 DEFAULT_BUCKET_BYTES = 256 << 20  # bytes; the default cap grows to 2 * world_size * min_io_bytes when larger
 
-ParamLike = Union[torch.Tensor, tuple]  # a tensor (only its shape and dtype are read) or (shape, dtype)
+ParamLike = torch.Tensor | tuple  # a tensor (only its shape and dtype are read) or (shape, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ class PlanSummary:
 
 def plan(params: Mapping[str, ParamLike] | torch.nn.Module | Iterable[tuple[str, ParamLike]], world_size: int,
          *, min_io_bytes: int = DEFAULT_MIN_IO_BYTES, alignment: int = DEFAULT_ALIGNMENT,
-         bucket_bytes: int | None = None) -> "Plan":
+         bucket_bytes: int | None = None) -> Plan:
     """Lay `params` out in buckets sharded over `world_size` ranks.
 
     params: an ordered mapping name -> (shape, dtype) or name -> tensor, an ``nn.Module`` (its
@@ -243,7 +243,7 @@ def plan(params: Mapping[str, ParamLike] | torch.nn.Module | Iterable[tuple[str,
     return Plan(world_size, specs, out, min_io_bytes=min_io_bytes, alignment=alignment, bucket_bytes=bucket_bytes)
 
 
-def _pack(specs: list[ParamSpec], cap: int, target: int, unit: int) -> list["_Open"]:
+def _pack(specs: list[ParamSpec], cap: int, target: int, unit: int) -> list[_Open]:
     """The buckets' contents, in model order of their first element.
 
     cap: bytes a bucket may hold; target: bytes of payload that give every rank a min_io_bytes shard;
@@ -565,7 +565,7 @@ class Plan:
 
     # -- resharding and serialisation ---------------------------------------------------------------------
 
-    def reshard(self, new_world_size: int, **options) -> "Plan":
+    def reshard(self, new_world_size: int, **options) -> Plan:
         """The plan of the same parameters over `new_world_size` ranks (options default to this plan's).
 
         Move data saved under this plan with ``reshard_shards(self, new_plan, ...)``."""
@@ -601,7 +601,7 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Plan":
+    def from_dict(cls, d: Mapping) -> Plan:
         """The plan ``to_dict`` described; a damaged description raises TierstoreValueError."""
         if not isinstance(d, Mapping) or d.get("format") != FORMAT:
             got = d.get("format") if isinstance(d, Mapping) else type(d).__name__

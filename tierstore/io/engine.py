@@ -267,12 +267,12 @@ class _UringBackend(Backend):
             self._regions, self._starts = [], []
         n = len(regions)
         addrs = (ctypes.c_void_p * n)(*[a for a, _ in regions])
-        lens = (ctypes.c_uint64 * n)(*[l for _, l in regions])
+        lens = (ctypes.c_uint64 * n)(*[nbytes for _, nbytes in regions])
         rc = self._lib.ts_register_buffers(self._ring, addrs, lens, n)
         if rc < 0:
             log.debug("io_uring: buffer registration refused (%s); using plain reads/writes", os.strerror(-rc))
             return False
-        self._regions = sorted((a, a + l, i) for i, (a, l) in enumerate(regions))
+        self._regions = sorted((a, a + nbytes, i) for i, (a, nbytes) in enumerate(regions))
         self._starts = [r[0] for r in self._regions]
         return True
 
@@ -291,7 +291,7 @@ class _UringBackend(Backend):
                     self._slots_free.append(slot)
 
     def unregister_file(self, f: File) -> None:
-        for fd, slot in list(f.slots.items()):
+        for slot in list(f.slots.values()):
             self._lib.ts_update_file(self._ring, slot, -1)
             with self._slot_lock:
                 self._slots_free.append(slot)
@@ -580,7 +580,7 @@ class Engine:
         for f in owned:
             f.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

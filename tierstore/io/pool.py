@@ -58,7 +58,7 @@ class Buffer:
 
     __slots__ = ("pool", "index", "addr", "nbytes", "_released", "__weakref__")
 
-    def __init__(self, pool: "BufferPool", index: int):
+    def __init__(self, pool: BufferPool, index: int):
         self.pool = pool
         self.index = index  # which buffer of the pool
         self.nbytes = pool.buffer_bytes  # bytes
@@ -89,7 +89,7 @@ class Buffer:
             self._released = True
             self.pool._give_back(self.index)
 
-    def __enter__(self) -> "Buffer":
+    def __enter__(self) -> Buffer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -230,7 +230,7 @@ class BufferPool:
             self.locked = False
         # The mapping itself is unmapped when the last tensor viewing it is gone.
 
-    def __enter__(self) -> "BufferPool":
+    def __enter__(self) -> BufferPool:
         return self
 
     def __exit__(self, *exc) -> None:

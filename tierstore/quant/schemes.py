@@ -25,9 +25,9 @@ sit in bytes (one per byte, or two per byte for 4 bits) is the packed layout's b
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
 
 import torch
 

@@ -31,16 +31,18 @@ torch's, which very rarely moves an 8-bit code across a boundary: the parity tes
 The reference path (backend="torch") is the chunked one below.
 
 [Note: 8-bit step]
-The reference path, one step of a parameter: for each chunk of ``chunk`` elements (a multiple of the block size, so every chunk
-owns whole blocks), dequantize m and v into two reused fp32 buffers, run torch's own AdamW (the fused CPU
-kernel, torch.optim.adamw.adamw(fused=True)) on the chunk, requantize m and v in place. The chunk keeps the
-fp32 buffers in cache between the three passes; nothing is allocated per step. The chunk's step counter is
-a scratch copy: the kernel increments it, and the parameter's own counter is incremented once at the end.
+The reference path, one step of a parameter: for each chunk of ``chunk`` elements (a multiple of the block
+size, so every chunk owns whole blocks), dequantize m and v into two reused fp32 buffers, run torch's own
+AdamW (the fused CPU kernel, torch.optim.adamw.adamw(fused=True)) on the chunk, requantize m and v in place.
+The chunk keeps the fp32 buffers in cache between the three passes; nothing is allocated per step. The
+chunk's step counter is a scratch copy: the kernel increments it, and the parameter's own counter is
+incremented once at the end.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.adamw import adamw as _adamw
@@ -76,7 +78,7 @@ class StatePolicy:
 
     @classmethod
     def make(cls, block_size: int = DEFAULT_BLOCK, min_numel: int = MIN_QUANT_NUMEL,
-             keep_fp32: Iterable[str | torch.Tensor] = ()) -> "StatePolicy":
+             keep_fp32: Iterable[str | torch.Tensor] = ()) -> StatePolicy:
         """``keep_fp32``: parameter names and/or parameter tensors whose states stay fp32."""
         keys = frozenset(k if isinstance(k, str) else id(k) for k in keep_fp32)
         return cls(block_size, min_numel, keys)

@@ -29,7 +29,7 @@ later ones hold roughly the gradients of the buckets not yet due. One small coll
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

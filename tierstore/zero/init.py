@@ -52,7 +52,7 @@ from . import _dist
 from .config import OffloadConfig
 
 CHUNK_MIN_BYTES = 1 << 20  # a stored chunk of a slice holds max(sub_group_bytes, this) bytes (see _offload)
-_active: list["Init"] = []
+_active: list[Init] = []
 _lock = threading.Lock()
 
 
@@ -69,7 +69,7 @@ class _Handle:
 
     __slots__ = ("init", "keys", "shape", "dtype", "lo", "hi", "chunk", "world", "rank", "_left")
 
-    def __init__(self, init: "Init", keys: list[str], shape: torch.Size, dtype: torch.dtype, lo: int, hi: int,
+    def __init__(self, init: Init, keys: list[str], shape: torch.Size, dtype: torch.dtype, lo: int, hi: int,
                  chunk: int, world: int, rank: int):
         self.init, self.keys, self.shape, self.dtype = init, keys, torch.Size(shape), dtype
         self.lo, self.hi, self.chunk, self.world, self.rank = lo, hi, chunk, world, rank
@@ -146,7 +146,7 @@ class Init:
         return self._live
 
     # -- the context ------------------------------------------------------------------------------------
-    def __enter__(self) -> "Init":
+    def __enter__(self) -> Init:
         if not self.enabled:
             return self
         cfg = self.config

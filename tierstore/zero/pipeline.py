@@ -13,8 +13,9 @@ already submitted (so nothing is half-written when the call returns) and is rais
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -77,7 +77,7 @@ class TiledLinear(nn.Module):
         return torch.cat(outs, dim=-1)
 
     @torch.no_grad()
-    def copy_from(self, linear: nn.Linear) -> "TiledLinear":
+    def copy_from(self, linear: nn.Linear) -> TiledLinear:
         """Take the weights (and bias) of an nn.Linear of the same size."""
         if (linear.in_features, linear.out_features) != (self.in_features, self.out_features):
             raise TierstoreValueError(f"copy_from: nn.Linear is {linear.in_features}->{linear.out_features}, "
@@ -94,7 +94,7 @@ class TiledLinear(nn.Module):
         return self
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, in_splits: int = 1, out_splits: int = 1) -> "TiledLinear":
+    def from_linear(cls, linear: nn.Linear, *, in_splits: int = 1, out_splits: int = 1) -> TiledLinear:
         t = cls(linear.in_features, linear.out_features, linear.bias is not None, in_splits=in_splits,
                 out_splits=out_splits, device=linear.weight.device, dtype=linear.weight.dtype)
         return t.copy_from(linear)
