@@ -240,7 +240,7 @@ class _UringBackend(Backend):
         rc = self._lib.ts_ring_create(depth, ctypes.byref(ring))
         if rc < 0:
             raise BackendUnavailableError(f"io_uring setup failed: {os.strerror(-rc)} (errno {-rc})")
-        self._ring = ring
+        self._ring: ctypes.c_void_p | None = ring  # None once closed
         self.faults = self  # the ring injects its own faults (ts_inject)
         self._pieces: dict[int, Piece] = {}
         self._ids = itertools.count(1)
@@ -413,7 +413,7 @@ class Engine:
         self._owned: list[File | StripedFile] = []
         self._lock = threading.Lock()
         self._outstanding: set[IOFuture] = set()
-        self._failed: list[IOFuture] = []
+        self._failed: list[Future] = []
         self._closed = False
 
     @property
@@ -530,7 +530,7 @@ class Engine:
                 if n - aligned:
                     yield Piece(None, op, part, part.fd, pa + aligned, n - aligned, po + aligned, False)
 
-    def _on_done(self, fut: IOFuture) -> None:
+    def _on_done(self, fut: Future) -> None:  # an IOFuture
         with self._lock:
             self._outstanding.discard(fut)
             if fut.exception() is not None:
@@ -548,7 +548,9 @@ class Engine:
         with self._lock:
             failed, self._failed = self._failed, []
         if failed:
-            raise failed[0].exception()
+            error = failed[0].exception()
+            assert error is not None  # only futures that failed are kept
+            raise error
 
     def fsync(self, file: File | StripedFile) -> None:
         """Make everything written to `file` durable."""

@@ -144,7 +144,7 @@ class StripedFile:
 
     def map(self, offset: int, length: int) -> list[tuple[File, int, int, int]]:
         n, unit = len(self.parts), self.stripe_unit
-        out = []
+        out: list[tuple[File, int, int, int]] = []
         pos, end = offset, offset + length
         while pos < end:
             k, within = divmod(pos, unit)

@@ -157,7 +157,7 @@ class BufferPool:
             err = ctypes.get_errno()
             limit = memlock_limit()
             lim = "unlimited" if limit is None else fmt_bytes(limit)
-            self._u8 = None  # drop the view so the mapping can go
+            del self._u8  # drop the view so the mapping can go
             self._mm.close()
             if err in (errno.ENOMEM, errno.EAGAIN) and (limit is None or self.nbytes <= limit):
                 raise PinnedMemoryError(  # the limit allows it: the memory itself is short

@@ -138,7 +138,9 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, m
         raise TierstoreValueError(f"the fused AdamW kernel cannot step m in {get(m_scheme).name!r} and v in "
                                   f"{get(v_scheme).name!r} codes; use adamw_step_8bit(backend='torch')")
     n = param.numel()
-    tm, tv = get(m_scheme).code_map(), get(v_scheme).code_map()
+    m_map, v_map = get(m_scheme).code_map, get(v_scheme).code_map
+    assert m_map is not None and v_map is not None  # fused_adamw_pair: both are dynamic maps
+    tm, tv = m_map(), v_map()
     w1 = np.float32(1.0 - beta1)
     j = _AdamWJob(
         n=n, block=block, param=param.data_ptr(), grad=grad.data_ptr(), m_codes=m_codes.data_ptr(),

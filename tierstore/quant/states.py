@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim.adamw import adamw as _adamw
@@ -137,8 +137,8 @@ def adamw_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: dict, ws: Wo
     m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
     p = param.detach().view(-1)
     g = grad.detach().reshape(-1).to(torch.float32)
-    kw = dict(amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
-              maximize=maximize, fused=True)
+    kw: dict[str, Any] = dict(amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
+                              maximize=maximize, fused=True)
     if not isinstance(m, Quantized) and not isinstance(v, Quantized):
         _adamw([p], [g], [m.view(-1)], [v.view(-1)], [], [step], **kw)
         return
@@ -158,7 +158,7 @@ def adamw_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: dict, ws: Wo
     chunk = max(bs, ws.chunk // bs * bs)
     for start in range(0, n, chunk):
         length = min(chunk, n - start)
-        states = []
+        states: list[tuple[Quantized | None, torch.Tensor]] = []
         for s, buf in ((m, ws.m), (v, ws.v)):
             if isinstance(s, Quantized):
                 part = s.narrow(start, length)
@@ -169,9 +169,9 @@ def adamw_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: dict, ws: Wo
         ws.step.copy_(step)
         _adamw([p[start:start + length]], [g[start:start + length]], [states[0][1]], [states[1][1]], [], [ws.step],
                **kw)
-        for part, buf in states:
-            if part is not None:
-                quantize(buf, part.scheme, part.block_size, out=part)
+        for q, buf in states:
+            if q is not None:
+                quantize(buf, q.scheme, q.block_size, out=q)
     step += 1
 
 

@@ -33,7 +33,8 @@ class StepPipeline:
 
     def run(self, items: Sequence[Any], load: Callable[[Any], Any], compute: Callable[[Any, Any], Any],
             save: Callable[[Any, Any], None]) -> None:
-        if self._reader is None:
+        reader, writer = self._reader, self._writer
+        if reader is None or writer is None:
             for it in items:
                 save(it, compute(it, load(it)))
             self.peak_in_flight = 1 if items else 0
@@ -46,7 +47,7 @@ class StepPipeline:
         try:
             for i, it in enumerate(items):
                 while nxt < len(items) and nxt <= i + self.ahead:
-                    reads.append(self._reader.submit(_profiled, "tierstore::step_read", load, items[nxt]))
+                    reads.append(reader.submit(_profiled, "tierstore::step_read", load, items[nxt]))
                     nxt += 1
                 loaded = reads.popleft().result()
                 self.peak_in_flight = max(self.peak_in_flight, len(reads) + 1 + len(writes))
@@ -55,7 +56,7 @@ class StepPipeline:
                 del loaded
                 while len(writes) >= self.behind:
                     writes.popleft().result()
-                writes.append(self._writer.submit(_profiled, "tierstore::step_write", save, it, result))
+                writes.append(writer.submit(_profiled, "tierstore::step_write", save, it, result))
                 del result
             while writes:
                 writes.popleft().result()
