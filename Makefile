@@ -1,4 +1,4 @@
-# Two commands on a fresh machine: `make demo` and `make test` (see README.md).
+# On a fresh machine: `make demo`, `make check` and `make test` (see README.md).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -11,7 +11,7 @@ DEMO_DIR   ?= demo-data
 BENCH_DIR  ?= bench-data
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test soak bench install clean
+.PHONY: demo check test soak bench install clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard native/*.c native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ demo: $(STAMP)
 	mkdir -p $(DEMO_DIR)
 	$(VENV)/bin/tierstore info --dir $(DEMO_DIR)
 	$(VENV)/bin/tierstore demo --dir $(DEMO_DIR)
+
+# Lint (ruff) and types (mypy); both configured in pyproject.toml.
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
 
 test: $(STAMP)
 	$(PY) -m pytest -q

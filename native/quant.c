@@ -28,41 +28,13 @@
 #include <float.h>
 #include <math.h>
 #include <pthread.h>
+#include <stddef.h> /* offsetof */
 #include <stdint.h>
 #include <string.h>
 
-/* Scheme ids: the `id` of the built-in records in tierstore/quant/schemes.py (stored in codec headers). */
-#define TSQ_INT8 0
-#define TSQ_INT4 1
-#define TSQ_DYN_SIGNED 2
-#define TSQ_DYN_UNSIGNED 3
-#define TSQ_DYN_UNSIGNED_BOUNDED 4 /* the unsigned map with other code boundaries in `mids` (quant/dynamic.py) */
+#include "quant.h" /* the ABI: constants, job structs, entry points */
 
-#define TSQ_F32 0
-#define TSQ_BF16 1
-#define TSQ_F16 2
-
-#define TSQ_MAX_BLOCK 8192 /* elements */
 #define TSQ_MAX_THREADS 64
-
-/* Mirrored by ctypes in tierstore/quant/_native.py; keep the field order. */
-typedef struct {
-    int32_t scheme;
-    int32_t dtype;       /* of x (quantize input / dequantize output) */
-    int64_t n;           /* elements */
-    int64_t block;       /* elements per block, even, <= TSQ_MAX_BLOCK */
-    void *x;             /* n elements of dtype */
-    uint8_t *codes;      /* n bytes (int4: (n + 1) / 2 bytes) */
-    float *absmax;       /* ceil(n / block) floats */
-    const float *mids;   /* dynamic: sorted code boundaries (midpoints for nearest rounding), last = +inf; the
-                          * kernels read only lut (which encodes them), the field keeps the layout */
-    const int32_t *lut;  /* dynamic: bucket -> codes below << 16 | boundary's low bits ([Note: two-level LUT]) */
-    const float *values; /* dynamic: code (0..255, full byte) -> value in [-1, 1] */
-    int32_t lut_shift;   /* bucket = (bits(r) >> lut_shift) - lut_base, clamped to [0, lut_size) */
-    int32_t lut_base;
-    int32_t lut_size;
-    int32_t nthreads;
-} tsq_job;
 
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
@@ -322,8 +294,8 @@ static void run_part(tsq_share *p)
 
 static int run(const tsq_job *j, int quantize)
 {
-    if (j->n < 0 || j->block < 2 || j->block > TSQ_MAX_BLOCK || (j->block & 1) || j->scheme < 0 || j->scheme > 4 ||
-        j->dtype < 0 || j->dtype > 2)
+    if (j->n < 0 || j->block < 2 || j->block > TSQ_MAX_BLOCK || (j->block & 1) || j->scheme < 0 ||
+        j->scheme > TSQ_DYN_UNSIGNED_BOUNDED || j->dtype < 0 || j->dtype > TSQ_F16)
         return -EINVAL;
     if (j->n == 0)
         return 0;
@@ -337,33 +309,8 @@ static int run(const tsq_job *j, int quantize)
  * fp32 scratch, run the AdamW update on param, m and v (torch's fused CPU AdamW arithmetic, element by element,
  * in the order of its scalar path), then take the new absmax of m and v and encode them. One pass over memory:
  * the fp32 states never leave the block's scratch. Threads take whole blocks, so the bytes do not depend on
- * the thread count; no FMA contraction (pragma at the top), so every clone gives the same bytes. */
-
-/* Mirrored by ctypes in tierstore/quant/_native.py; keep the field order. */
-typedef struct {
-    int64_t n;           /* elements */
-    int64_t block;       /* elements per block, even, <= TSQ_MAX_BLOCK */
-    float *param;        /* n fp32, updated in place */
-    const float *grad;   /* n fp32 */
-    uint8_t *m_codes;    /* n bytes, signed map */
-    float *m_absmax;     /* ceil(n / block) */
-    uint8_t *v_codes;    /* n bytes, unsigned map */
-    float *v_absmax;
-    const float *m_mids, *m_values; const int32_t *m_lut;
-    const float *v_mids, *v_values; const int32_t *v_lut;
-    int32_t lut_shift, m_lut_base, m_lut_size, v_lut_base, v_lut_size;
-    int32_t maximize;    /* 1: gradient ascent */
-    int32_t lerp_small;  /* |1 - beta1| < 0.5: m += w * (g - m); else m = g - (g - m) * (1 - w), as torch */
-    float decay;         /* 1 - lr * weight_decay (decoupled weight decay), rounded to fp32 */
-    float w1;            /* 1 - beta1 */
-    float one_minus_w1;  /* fp32(1) - fp32(w1), as torch computes it */
-    float beta2, w2;     /* beta2 and 1 - beta2 */
-    float bc2_sqrt;      /* sqrt(1 - beta2^t) */
-    float eps;
-    float step_size;     /* lr / (1 - beta1^t) */
-    int32_t nthreads;
-    int32_t portable;    /* 1: never the AVX-512 loops (tests compare both paths byte for byte) */
-} tsq_adamw_job;
+ * the thread count; no FMA contraction (pragma at the top), so every clone gives the same bytes. The job
+ * struct, tsq_adamw_job, is in quant.h. */
 
 /* Correctly rounded square roots of a block. With errno semantics (the default; setup.py sets no -fno-math-errno
  * and an optimize pragma does not reach the builtin), gcc will not vectorise sqrtf, so this uses SSE sqrtps,
@@ -577,6 +524,41 @@ int tsq_adamw_step(const tsq_adamw_job *j)
 int tsq_quantize(const tsq_job *j) { return run(j, 1); }
 
 int tsq_dequantize(const tsq_job *j) { return run(j, 0); }
+
+/* out = {sizeof, then (offset, size) of each field in declaration order}; see quant.h. */
+#define FIELD(T, f) offsetof(T, f), sizeof(((T *)0)->f)
+
+static int put_layout(const uint64_t *layout, unsigned count, uint64_t *out, unsigned n)
+{
+    if (!out || n < count)
+        return -EINVAL;
+    memcpy(out, layout, count * sizeof(*layout));
+    return (int)count;
+}
+
+int tsq_job_layout(uint64_t *out, unsigned n)
+{
+    const uint64_t layout[] = {
+        sizeof(tsq_job), FIELD(tsq_job, scheme), FIELD(tsq_job, dtype), FIELD(tsq_job, n), FIELD(tsq_job, block),
+        FIELD(tsq_job, x), FIELD(tsq_job, codes), FIELD(tsq_job, absmax), FIELD(tsq_job, mids), FIELD(tsq_job, lut),
+        FIELD(tsq_job, values), FIELD(tsq_job, lut_shift), FIELD(tsq_job, lut_base), FIELD(tsq_job, lut_size),
+        FIELD(tsq_job, nthreads),
+    };
+    return put_layout(layout, sizeof(layout) / sizeof(layout[0]), out, n);
+}
+
+int tsq_adamw_job_layout(uint64_t *out, unsigned n)
+{
+#define A(f) FIELD(tsq_adamw_job, f)
+    const uint64_t layout[] = {
+        sizeof(tsq_adamw_job), A(n), A(block), A(param), A(grad), A(m_codes), A(m_absmax), A(v_codes), A(v_absmax),
+        A(m_mids), A(m_values), A(m_lut), A(v_mids), A(v_values), A(v_lut), A(lut_shift), A(m_lut_base),
+        A(m_lut_size), A(v_lut_base), A(v_lut_size), A(maximize), A(lerp_small), A(decay), A(w1), A(one_minus_w1),
+        A(beta2), A(w2), A(bc2_sqrt), A(eps), A(step_size), A(nthreads), A(portable),
+    };
+#undef A
+    return put_layout(layout, sizeof(layout) / sizeof(layout[0]), out, n);
+}
 
 /* The module is loaded with ctypes; this init only lets the import system find the built file. */
 static struct PyModuleDef moddef = {

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import errno
 import os
-
 from pathlib import Path
 
 import pytest
 import torch
 
+import tierstore.zero.checkpoint as ckpt_mod  # noqa: E402
 from tests.support.dist import run_ranks
 from tests.support.models import batches, loss_fn, make_pair
 from tests.support.zero import cfg
-
-import tierstore.zero.checkpoint as ckpt_mod  # noqa: E402
 from tierstore.errors import TierstoreError, TierstoreIOError  # noqa: E402
 from tierstore.zero import Zero3Optimizer, consolidate  # noqa: E402
 

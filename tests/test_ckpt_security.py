@@ -14,7 +14,6 @@ import torch
 
 from tests.support.models import batches, loss_fn, make_pair
 from tests.support.zero import cfg
-
 from tierstore.errors import CorruptionError, TierstoreValueError  # noqa: E402
 from tierstore.zero import Zero3Optimizer, consolidate  # noqa: E402
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import random
 import threading
 import time
 
@@ -60,7 +59,7 @@ def test_random_writes_then_reads(eng, tmp_path):
         bufs.append(buf)
         futs.append(eng.write(f, buf, int(lo)))
     eng.wait_all()
-    assert [fu.result() for fu in futs] == [int(h - l) for l, h in zip(bounds[:-1], bounds[1:])]
+    assert [fu.result() for fu in futs] == [int(hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:])]
     np.testing.assert_array_equal(np.fromfile(path, np.uint8), expect)
 
     # Reads of random ranges (overlap is fine for reads), into buffers of random alignment.

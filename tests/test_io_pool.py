@@ -1,7 +1,6 @@
 """BufferPool: one page-locked budget, back-pressure instead of assertions, a clear page-lock error."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 
 from tests.support.models import batches, loss_fn, make_pair
 from tests.support.zero import cfg
-
 from tierstore import Store  # noqa: E402
 from tierstore.errors import CorruptionError, TierstoreError  # noqa: E402
 from tierstore.zero import Zero3Optimizer, consolidate  # noqa: E402

@@ -11,7 +11,8 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tierstore.errors import TierstoreError, TierstoreValueError
 from tierstore.partition import Location, Plan, plan, reshard_copies, reshard_shards
@@ -105,7 +106,7 @@ def check_layout(pl: Plan, specs: dict, world: int, min_io: int, alignment: int,
     for name, (shape, dtype) in specs.items():
         locs = pl.locate(name)
         at = 0
-        for loc in sorted(locs, key=lambda l: l.param_offset):
+        for loc in sorted(locs, key=lambda loc: loc.param_offset):
             assert loc.param_offset == at and loc.numel > 0
             b = pl.buckets[loc.bucket]
             assert b.dtype == dtype and 0 <= loc.offset and loc.offset + loc.numel <= b.shard_numel
@@ -327,7 +328,7 @@ def test_parameter_larger_than_bucket_bytes_is_split():
     assert_same_tensors(pl.unflatten(flat), tensors)
     # locate: 10000 floats over 10 buckets of 4 shards of 256 floats.
     locs = pl.locate("emb")
-    assert sum(l.numel for l in locs) == 10000 and all(l.numel <= 256 for l in locs)
+    assert sum(loc.numel for loc in locs) == 10000 and all(loc.numel <= 256 for loc in locs)
 
 
 def test_inputs_module_iterable_mapping_and_meta_tensors():

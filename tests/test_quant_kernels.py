@@ -4,12 +4,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierstore.errors import TierstoreValueError
-from tierstore.quant import (SCHEMES, build_tables, dequantize, empty_quantized, error_bound, magnitudes, num_blocks,
-                             quantize)
-from tierstore.quant import _native
+from tierstore.quant import (
+    SCHEMES,
+    _native,
+    build_tables,
+    dequantize,
+    empty_quantized,
+    error_bound,
+    magnitudes,
+    num_blocks,
+    quantize,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 needs_native = pytest.mark.skipif(not _native.available(), reason="tierstore._native_quant not built")

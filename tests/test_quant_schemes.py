@@ -10,8 +10,18 @@ import torch
 from numcodecs import get_codec
 
 from tierstore.errors import TierstoreValueError
-from tierstore.quant import SCHEMES, Quantized, codec_for, dequantize, error_bound, quantize
-from tierstore.quant import _native, collectives, packed, schemes
+from tierstore.quant import (
+    SCHEMES,
+    Quantized,
+    _native,
+    codec_for,
+    collectives,
+    dequantize,
+    error_bound,
+    packed,
+    quantize,
+    schemes,
+)
 from tierstore.quant.codecs import HEADER_NBYTES, BlockQuant
 from tierstore.quant.schemes import Scheme
 

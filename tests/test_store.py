@@ -7,7 +7,6 @@ import errno
 import json
 import logging
 import os
-import shutil
 import subprocess
 import threading
 
@@ -568,7 +567,8 @@ def test_disk_full_small_filesystem(small_fs):
 def test_zarr_export_import(tmp_path):
     zarr = pytest.importorskip("zarr")
     xs = {"layer.0/w": torch.randn(64, 33), "bf": torch.randn(10).to(torch.bfloat16), "i8": sample(torch.int8),
-          "flag": sample(torch.bool), "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5), "odd name!": torch.ones(2)}
+          "flag": sample(torch.bool), "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5),
+          "odd name!": torch.ones(2)}
     with Store(tmp_path / "s") as s:
         for k, v in xs.items():
             s.put(k, v)

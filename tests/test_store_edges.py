@@ -12,8 +12,14 @@ import numcodecs
 import pytest
 import torch
 
-from tierstore.errors import (MisuseError, PinnedMemoryError, TierFullError, TierstoreError, TierstoreIOError,
-                              TierstoreValueError)
+from tierstore.errors import (
+    MisuseError,
+    PinnedMemoryError,
+    TierFullError,
+    TierstoreError,
+    TierstoreIOError,
+    TierstoreValueError,
+)
 from tierstore.io import BufferPool
 from tierstore.store import Store
 
@@ -219,7 +225,7 @@ def test_read_only_open_reads_and_refuses_every_write(tmp_path):
         "writeback": lambda: s.tensor("x").resident("host", writeback=True).__enter__(),
         "export into itself": lambda: s.export_zarr(os.path.join(d, "copy.zarr")),
     }
-    for what, fn in writes.items():
+    for fn in writes.values():
         with pytest.raises(MisuseError, match="opened read-only"):
             fn()
     export = str(tmp_path / "out.zarr")

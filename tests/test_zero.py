@@ -128,7 +128,7 @@ def test_closure_clipping_and_gradient_accumulation_match_torch(tmp_path):
         for m, o in ((ref_m, ref), (z_m, opt)):
             x, y = data[0]
 
-            def closure(m=m, o=o):
+            def closure(m=m, o=o, x=x, y=y):
                 o.zero_grad()
                 loss = loss_fn(m, x, y)
                 loss.backward()
@@ -259,7 +259,8 @@ def test_step_pipeline_overlaps_and_bounds_in_flight():
     assert pl.peak_in_flight <= 3
     # read i+1 was started before compute i finished (it is logged before compute i+1)
     order = [e for e in events if e[0] in ("load", "compute")]
-    assert order.index(("load", 5)) < order.index(("compute", 5)) and order.index(("load", 5)) < order.index(("compute", 4)) + 2
+    assert order.index(("load", 5)) < order.index(("compute", 5))
+    assert order.index(("load", 5)) < order.index(("compute", 4)) + 2
 
     def bad_save(i, r):
         if i == 3:
@@ -295,8 +296,9 @@ def test_dynamic8_states_on_nvme_are_small_and_train_within_2pct(tmp_path):
     base, _ = train_loss(tmp_path / "a", min_io_bytes=1 << 20, sub_group_bytes=1 << 20)
     torch.manual_seed(0)
     m = Net(d=64, h=128)
-    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=3e-3, config=cfg(tmp_path / "b", states="nvme", state_codec="dynamic8",
-                                                                   min_io_bytes=1 << 20, sub_group_bytes=1 << 20))
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=3e-3,
+                         config=cfg(tmp_path / "b", states="nvme", state_codec="dynamic8", min_io_bytes=1 << 20,
+                                    sub_group_bytes=1 << 20))
     x = torch.randn(8, 64)
     loss_fn(m, x, torch.zeros(8, 4)).backward()
     opt.step()
@@ -392,7 +394,8 @@ def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(tmp_path):
         b2 = opt2.full_state_dict()
         opt2.backward(loss_fn(opt2.model, data[0][0].half(), data[0][1].half()))
         opt2.step()
-        assert opt2.stats().overflow_skips == 1 and all(torch.equal(b2[k], v) for k, v in opt2.full_state_dict().items())
+        assert opt2.stats().overflow_skips == 1
+        assert all(torch.equal(b2[k], v) for k, v in opt2.full_state_dict().items())
         opt2.close()
     finally:
         opt.close()

@@ -11,7 +11,17 @@ import time
 import pytest
 import torch
 
-from tests.support import Deep, Net, batches, cfg, loss_fn, make_pair, peak_growth, rss_follows_live_memory, run_isolated
+from tests.support import (
+    Deep,
+    Net,
+    batches,
+    cfg,
+    loss_fn,
+    make_pair,
+    peak_growth,
+    rss_follows_live_memory,
+    run_isolated,
+)
 from tests.support.dist import context
 from tierstore.errors import CorruptionError, TierstoreValueError
 from tierstore.zero import Zero3Optimizer, consolidate
@@ -208,7 +218,8 @@ def _kill_rounds(tmp_path, ctx, rng, seen):
             p.join(30)
         # the parent loads whatever `latest` names and checks it against a recomputed run
         _, m = make_pair(h=512)
-        opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(tmp_path / "check", "host", "host", "host", sub_group_bytes=1 << 20))
+        opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3,
+                             config=cfg(tmp_path / "check", "host", "host", "host", sub_group_bytes=1 << 20))
         opt.load_checkpoint(tmp_path / "ckpt")
         got = opt.full_state_dict()
         steps = opt.steps
@@ -216,7 +227,8 @@ def _kill_rounds(tmp_path, ctx, rng, seen):
         assert steps >= 1
         torch.manual_seed(0)
         _, r = make_pair(h=512)
-        ropt = Zero3Optimizer(r, torch.optim.AdamW, lr=1e-3, config=cfg(tmp_path / "ref", "host", "host", "host", sub_group_bytes=1 << 20))
+        ropt = Zero3Optimizer(r, torch.optim.AdamW, lr=1e-3,
+                              config=cfg(tmp_path / "ref", "host", "host", "host", sub_group_bytes=1 << 20))
         train(r, ropt, batches(400, seed=11)[:steps])
         want = ropt.full_state_dict()
         ropt.close()

@@ -329,8 +329,8 @@ def sc_grad_memory(rank, world, root):
         assert st.grad_bytes == 0 and all(p.grad is None for p in m.parameters())
         opt.step()
         opt.zero_grad()
-    out = {"peaks": peaks, "early": co.stats().early_reductions, "total": sum(4 * torch.Size(shape).numel() for shape, _dt, _rg in opt.layout.specs.values()),
-           "layer": 4 * (32 * 32 + 32)}
+    total = sum(4 * torch.Size(shape).numel() for shape, _dt, _rg in opt.layout.specs.values())
+    out = {"peaks": peaks, "early": co.stats().early_reductions, "total": total, "layer": 4 * (32 * 32 + 32)}
     opt.close()
     return out
 

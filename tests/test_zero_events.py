@@ -82,7 +82,7 @@ def _setup(tmp_path):
     return m, opt, rec, handle
 
 
-F, B, I = Phase.FORWARD, Phase.BACKWARD, Phase.IDLE
+F, B, I = Phase.FORWARD, Phase.BACKWARD, Phase.IDLE  # noqa: E741 (one letter per phase keeps the tables below aligned)
 STEP = [("forward_begin", F),
         ("enter", "a", 0, F), ("exit", "a", 0, 0, F),
         ("enter", "b", 1, F), ("exit", "b", 1, 1, F),

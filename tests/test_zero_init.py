@@ -10,8 +10,18 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.support import (Branchy, Deep, Net, batches, cfg, loss_fn, max_rel, peak_growth, rss_follows_live_memory,
-                           run_isolated)
+from tests.support import (
+    Branchy,
+    Deep,
+    Net,
+    batches,
+    cfg,
+    loss_fn,
+    max_rel,
+    peak_growth,
+    rss_follows_live_memory,
+    run_isolated,
+)
 from tierstore.errors import MisuseError, TierstoreValueError
 from tierstore.zero import Init, TiledLinear, Zero3Optimizer
 
@@ -208,6 +218,6 @@ def test_traced_prefetch_hits_and_rebuilds_on_order_change(tmp_path, caplog):
     assert any("order changed" in r.getMessage() for r in caplog.records)
     assert st.reads_in_flight == 0 and st.gathers_in_flight == 0  # nothing left in flight
     assert st.staged >= st.prefetch_hits > 0  # every shard read ahead went through the host->device stage
-    assert st.staged_copies == 0 and st.gathers_ahead == 0  # CPU: the stage hands shards through; world 1: no collective
+    assert st.staged_copies == 0 and st.gathers_ahead == 0  # CPU: the stage hands shards through; world 1: none
     assert max_rel(opt.full_state_dict(), ref) <= 1e-6  # parity with prefetching and order changes
     opt.close()

@@ -1,11 +1,8 @@
 """tierstore: keep tensors on accelerator memory, page-locked host memory and NVMe files, and move them fast."""
-from . import errors
-from .errors import (CorruptionError, MisuseError, PinnedMemoryError, TierFullError, TierstoreError,
-                     TierstoreIOError)
-
+from . import errors, zero
+from .errors import CorruptionError, MisuseError, PinnedMemoryError, TierFullError, TierstoreError, TierstoreIOError
 from .store import Store
 from .tensor import TieredTensor
-from . import zero
 from .zero import OffloadConfig, Zero3Optimizer
 
 __version__ = "0.1.0"

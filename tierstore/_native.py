@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-from functools import lru_cache
+from functools import cache
 
 
 class NativeMissingError(ImportError):
     pass
 
 
-@lru_cache(maxsize=None)
+@cache
 def load(name: str) -> ctypes.CDLL:
     """Load ``tierstore._native_<name>``; raises NativeMissingError with the fix when it was not built."""
     spec = importlib.util.find_spec(f"tierstore._native_{name}")

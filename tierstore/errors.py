@@ -15,6 +15,8 @@ class TierstoreError(Exception):
 class TierstoreIOError(TierstoreError, OSError):
     """An I/O request failed. Names the file, the byte offset, the length and the errno."""
 
+    errno: int  # always given (OSError's may be None)
+
     def __init__(self, err: int, message: str, filename: str | None = None,
                  offset: int | None = None, length: int | None = None):
         OSError.__init__(self, err, message, filename)

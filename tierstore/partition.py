@@ -38,7 +38,7 @@ import bisect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Union
+from typing import Any, NamedTuple
 
 import torch
 
@@ -53,7 +53,7 @@ DEFAULT_MIN_IO_BYTES = 1 << 20  # bytes
 DEFAULT_ALIGNMENT = 4096  # bytes
 DEFAULT_BUCKET_BYTES = 256 << 20  # bytes; the default cap grows to 2 * world_size * min_io_bytes when larger
 
-ParamLike = Union[torch.Tensor, tuple]  # a tensor (only its shape and dtype are read) or (shape, dtype)
+ParamLike = torch.Tensor | tuple  # a tensor (only its shape and dtype are read) or (shape, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ class PlanSummary:
 
 def plan(params: Mapping[str, ParamLike] | torch.nn.Module | Iterable[tuple[str, ParamLike]], world_size: int,
          *, min_io_bytes: int = DEFAULT_MIN_IO_BYTES, alignment: int = DEFAULT_ALIGNMENT,
-         bucket_bytes: int | None = None) -> "Plan":
+         bucket_bytes: int | None = None) -> Plan:
     """Lay `params` out in buckets sharded over `world_size` ranks.
 
     params: an ordered mapping name -> (shape, dtype) or name -> tensor, an ``nn.Module`` (its
@@ -243,7 +243,7 @@ def plan(params: Mapping[str, ParamLike] | torch.nn.Module | Iterable[tuple[str,
     return Plan(world_size, specs, out, min_io_bytes=min_io_bytes, alignment=alignment, bucket_bytes=bucket_bytes)
 
 
-def _pack(specs: list[ParamSpec], cap: int, target: int, unit: int) -> list["_Open"]:
+def _pack(specs: list[ParamSpec], cap: int, target: int, unit: int) -> list[_Open]:
     """The buckets' contents, in model order of their first element.
 
     cap: bytes a bucket may hold; target: bytes of payload that give every rank a min_io_bytes shard;
@@ -251,6 +251,7 @@ def _pack(specs: list[ParamSpec], cap: int, target: int, unit: int) -> list["_Op
     buckets: list[_Open] = []  # in creation order
     open_: dict[torch.dtype, _Open] = {}  # the bucket still packing small parameters, per dtype
     last_packed: dict[torch.dtype, _Open] = {}  # the last full one, per dtype (for the tail, below)
+    b: _Open | None
     for s in specs:
         item = s.dtype.itemsize
         n = s.numel
@@ -351,6 +352,7 @@ def _is_int(x) -> bool:
 
 
 def _param_specs(params) -> list[ParamSpec]:
+    items: Iterable[Any]
     if isinstance(params, torch.nn.Module):
         items = params.named_parameters()
     elif isinstance(params, Mapping):
@@ -565,11 +567,12 @@ class Plan:
 
     # -- resharding and serialisation ---------------------------------------------------------------------
 
-    def reshard(self, new_world_size: int, **options) -> "Plan":
+    def reshard(self, new_world_size: int, **options) -> Plan:
         """The plan of the same parameters over `new_world_size` ranks (options default to this plan's).
 
         Move data saved under this plan with ``reshard_shards(self, new_plan, ...)``."""
-        kw = dict(min_io_bytes=self.min_io_bytes, alignment=self.alignment, bucket_bytes=self._bucket_bytes_arg)
+        kw: dict[str, Any] = dict(min_io_bytes=self.min_io_bytes, alignment=self.alignment,
+                                  bucket_bytes=self._bucket_bytes_arg)
         unknown = set(options) - set(kw)
         if unknown:
             raise TierstoreValueError(f"reshard got unknown options {sorted(unknown)}; it takes {sorted(kw)}")
@@ -601,7 +604,7 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Plan":
+    def from_dict(cls, d: Mapping) -> Plan:
         """The plan ``to_dict`` described; a damaged description raises TierstoreValueError."""
         if not isinstance(d, Mapping) or d.get("format") != FORMAT:
             got = d.get("format") if isinstance(d, Mapping) else type(d).__name__
@@ -631,7 +634,7 @@ class Plan:
             return NotImplemented
         return self.to_dict() == other.to_dict()
 
-    __hash__ = None  # compared by value, and not immutable
+    __hash__ = None  # type: ignore[assignment]  # compared by value, and not immutable
 
     def __repr__(self) -> str:
         return (f"Plan(world_size={self.world_size}, params={len(self.params)}, buckets={len(self.buckets)}, "
@@ -732,15 +735,15 @@ def reshard_copies(src: Plan, dst: Plan, *, dst_ranks: Iterable[int] | None = No
                 j += 1
     raw.sort(key=lambda c: (c.src_bucket, c.src_rank, c.src_offset))
     merged: list[ShardCopy] = []
-    for c in raw:
+    for cp in raw:
         last = merged[-1] if merged else None
         if (last is not None and (last.src_bucket, last.src_rank, last.dst_bucket, last.dst_rank)
-                == (c.src_bucket, c.src_rank, c.dst_bucket, c.dst_rank)
-                and last.src_offset + last.numel == c.src_offset and last.dst_offset + last.numel == c.dst_offset):
+                == (cp.src_bucket, cp.src_rank, cp.dst_bucket, cp.dst_rank)
+                and last.src_offset + last.numel == cp.src_offset and last.dst_offset + last.numel == cp.dst_offset):
             merged[-1] = ShardCopy(last.src_bucket, last.src_rank, last.src_offset, last.dst_bucket, last.dst_rank,
-                                   last.dst_offset, last.numel + c.numel)
+                                   last.dst_offset, last.numel + cp.numel)
         else:
-            merged.append(c)
+            merged.append(cp)
     return merged
 
 
@@ -758,7 +761,8 @@ def reshard_shards(src: Plan, dst: Plan,
     out = {(b.index, r): torch.zeros(b.shard_numel, dtype=b.dtype, device=device)
            for b in dst.buckets for r in ranks}
     load = shards if callable(shards) else (lambda bucket, rank: shards[bucket, rank])
-    key, shard = None, None
+    key: tuple[int, int] | None = None
+    shard: Any = None  # the source shard of `key`
     for c in copies:  # sorted by source shard: each is loaded once
         if key != (c.src_bucket, c.src_rank):
             key = (c.src_bucket, c.src_rank)

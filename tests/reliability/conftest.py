@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from tests.support.dist import context
-
 from tests.support.loopfs import mounted
 
 from ._common import SOAK, TALLY

@@ -170,7 +170,8 @@ def test_checkpoint_corruption(tmp_path, pristine_checkpoint, target):
                     must_be_tierstore_error(e, f"load_checkpoint after {what}")
                     err = e
                 else:
-                    assert same_export(_children.export_all(opt), ref), f"load_checkpoint loaded wrong data after {what}"
+                    assert same_export(_children.export_all(opt), ref), \
+                        f"load_checkpoint loaded wrong data after {what}"
                 try:
                     got = consolidate(d, dtype=torch.float32)
                 except Exception as e:

@@ -9,13 +9,12 @@ import os
 import shutil
 
 import pytest
-
 import torch
 
 from tierstore.errors import TierstoreError
 from tierstore.store import Store
 
-from ._common import (SOAK, check_store, codec_of, random_spec, record, same_bits, seeds, trial, trials, value_of)
+from ._common import SOAK, check_store, codec_of, random_spec, record, same_bits, seeds, trial, trials, value_of
 
 NAMES = [f"t{k}" for k in range(12)]
 ABSENT = None  # an `uncertain` candidate: the name may be missing

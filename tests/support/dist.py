@@ -22,8 +22,8 @@ import traceback
 import torch
 
 # Imported once in the fork server (its first start fixes the list for the whole test process).
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "numcodecs", "tierstore.store", "tierstore.zero", "tests.support",
-           "tests.reliability._children"]
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "numcodecs", "tierstore.store", "tierstore.zero",
+           "tests.support", "tests.reliability._children"]
 TIMEOUT = 150  # seconds for a whole run of the ranks
 GROUP_TIMEOUT = 60  # seconds a rank waits in a collective before gloo gives up
 GRACE = 10  # seconds the other ranks get to finish once one has failed (they may wait on it)

@@ -58,7 +58,7 @@ class LoopFS:
         self.mounted = True
 
     def umount(self) -> None:
-        for attempt in range(100):  # a killed child's io_uring workers may hold the fs for a moment
+        for _ in range(100):  # a killed child's io_uring workers may hold the fs for a moment
             r = _run("umount", self.mnt)
             if r.returncode == 0:
                 self.mounted = False

@@ -1,7 +1,7 @@
 """The I/O layer: asynchronous aligned reads/writes (io_uring or threads) and a page-locked buffer pool."""
-from .engine import Engine, IOFuture, io_uring_status
+from .engine import Backend, Engine, FaultInjector, IOFuture, Piece, io_uring_status
 from .files import ALIGN, File, StripedFile
 from .pool import Buffer, BufferPool, memlock_limit
 
-__all__ = ["ALIGN", "Buffer", "BufferPool", "Engine", "File", "IOFuture", "StripedFile", "io_uring_status",
-           "memlock_limit"]
+__all__ = ["ALIGN", "Backend", "Buffer", "BufferPool", "Engine", "FaultInjector", "File", "IOFuture", "Piece",
+           "StripedFile", "io_uring_status", "memlock_limit"]

@@ -19,9 +19,13 @@ IO_DTYPE = np.dtype([("id", np.uint64), ("op", np.int32), ("fd", np.int32), ("fi
 assert IO_DTYPE.itemsize == 48
 
 
+_typed = False  # argtypes/restype set on the (cached) library
+
+
 def lib() -> C.CDLL:
+    global _typed
     lib = load("uring")
-    if not getattr(lib, "_ts_typed", False):
+    if not _typed:
         lib.ts_ring_create.argtypes = [C.c_uint, C.POINTER(_P)]
         lib.ts_ring_create.restype = C.c_int
         lib.ts_ring_destroy.argtypes = [_P]
@@ -53,7 +57,7 @@ def lib() -> C.CDLL:
         lib.ts_probe.restype = C.c_int
         lib.ts_io_layout.argtypes = [C.POINTER(C.c_uint64), C.c_uint]
         lib.ts_io_layout.restype = C.c_int
-        lib._ts_typed = True
+        _typed = True
     return lib
 
 

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -92,7 +92,10 @@ def buffer_address(buf: Any, writable: bool) -> tuple[int, int, Any]:
     return arr.__array_interface__["data"][0], arr.nbytes, (buf, arr)
 
 
-class _Piece:
+class Piece:
+    """One transfer a backend runs: `length` bytes between address `addr` and `offset` of one descriptor `fd` of
+    `file` (see [Note: requests and pieces]); the backend calls finish() with the result exactly once."""
+
     __slots__ = ("fut", "op", "file", "fd", "addr", "length", "offset", "direct")
 
     def __init__(self, fut, op, file, fd, addr, length, offset, direct):
@@ -144,7 +147,44 @@ class _Faults:
         return res
 
 
-class _ThreadBackend:
+class FaultInjector(Protocol):
+    """Test-only: arm(nth, kind) makes the nth I/O completion from now fail (kind: a _uring.FAULT_* value)."""
+
+    def arm(self, nth: int, kind: int) -> None: ...
+
+
+class Backend(Protocol):
+    """What Engine needs from an I/O backend (io_uring or threads).
+
+    Required: `name` (what Engine.backend reports), `faults`, `submit_many` and `close`. Registration is
+    optional: a backend without registered buffers or files subclasses this protocol and keeps the defaults
+    below (buffers not registered, files used by plain descriptor)."""
+
+    name: str
+    faults: FaultInjector
+
+    def submit_many(self, pieces: list[Piece]) -> None:
+        """Start every piece; each is finished (Piece.finish) exactly once, from any thread, even on error."""
+        ...
+
+    def close(self) -> None:
+        """Release the backend; the engine has waited for everything in flight."""
+        ...
+
+    def register_buffers(self, regions: list[tuple[int, int]]) -> bool:
+        """Register (address, bytes) regions for faster transfers; returns whether they were taken."""
+        return False
+
+    def register_file(self, f: File) -> None:
+        """Register f's descriptors (recorded in f.slots); optional, the default registers nothing."""
+        return None
+
+    def unregister_file(self, f: File) -> None:
+        """Undo register_file before f is closed."""
+        return None
+
+
+class _ThreadBackend(Backend):
     """preadv/pwritev on a pool of threads (the GIL is released inside each call)."""
 
     name = "threads"
@@ -153,11 +193,11 @@ class _ThreadBackend:
         self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="tierstore-io")
         self.faults = _Faults()
 
-    def submit_many(self, pieces: list[_Piece]) -> None:
+    def submit_many(self, pieces: list[Piece]) -> None:
         for p in pieces:
             self._pool.submit(self._run, p)
 
-    def _run(self, p: _Piece) -> None:
+    def _run(self, p: Piece) -> None:
         done = 0
         try:
             while done < p.length:
@@ -183,20 +223,11 @@ class _ThreadBackend:
             return
         p.finish(done)
 
-    def register_buffers(self, regions) -> bool:
-        return False
-
-    def register_file(self, f: File) -> None:
-        pass
-
-    def unregister_file(self, f: File) -> None:
-        pass
-
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
 
-class _UringBackend:
+class _UringBackend(Backend):
     """native/uring.c: one ring; any thread submits. A native thread reaps the ring and refills it without
     the GIL; a Python thread collects what it finished and completes the futures."""
 
@@ -209,8 +240,9 @@ class _UringBackend:
         rc = self._lib.ts_ring_create(depth, ctypes.byref(ring))
         if rc < 0:
             raise BackendUnavailableError(f"io_uring setup failed: {os.strerror(-rc)} (errno {-rc})")
-        self._ring = ring
-        self._pieces: dict[int, _Piece] = {}
+        self._ring: ctypes.c_void_p | None = ring  # None once closed
+        self.faults = self  # the ring injects its own faults (ts_inject)
+        self._pieces: dict[int, Piece] = {}
         self._ids = itertools.count(1)
         self._regions: list[tuple[int, int, int]] = []  # (start, end, buf_index) sorted by start
         self._starts: list[int] = []
@@ -235,12 +267,12 @@ class _UringBackend:
             self._regions, self._starts = [], []
         n = len(regions)
         addrs = (ctypes.c_void_p * n)(*[a for a, _ in regions])
-        lens = (ctypes.c_uint64 * n)(*[l for _, l in regions])
+        lens = (ctypes.c_uint64 * n)(*[nbytes for _, nbytes in regions])
         rc = self._lib.ts_register_buffers(self._ring, addrs, lens, n)
         if rc < 0:
             log.debug("io_uring: buffer registration refused (%s); using plain reads/writes", os.strerror(-rc))
             return False
-        self._regions = sorted((a, a + l, i) for i, (a, l) in enumerate(regions))
+        self._regions = sorted((a, a + nbytes, i) for i, (a, nbytes) in enumerate(regions))
         self._starts = [r[0] for r in self._regions]
         return True
 
@@ -259,7 +291,7 @@ class _UringBackend:
                     self._slots_free.append(slot)
 
     def unregister_file(self, f: File) -> None:
-        for fd, slot in list(f.slots.items()):
+        for slot in list(f.slots.values()):
             self._lib.ts_update_file(self._ring, slot, -1)
             with self._slot_lock:
                 self._slots_free.append(slot)
@@ -274,7 +306,7 @@ class _UringBackend:
         return -1
 
     # -- requests -------------------------------------------------------------------------------
-    def submit_many(self, pieces: list[_Piece]) -> None:
+    def submit_many(self, pieces: list[Piece]) -> None:
         """One native call (one lock, one io_uring_enter) for the whole batch."""
         ios = np.empty(len(pieces), _uring.IO_DTYPE)
         rows = []
@@ -315,10 +347,6 @@ class _UringBackend:
                     log.exception("error while completing an I/O future")
             if state.value:  # the completion thread has stopped and everything is collected
                 return
-
-    @property
-    def faults(self):
-        return self
 
     def arm(self, nth: int, kind: int) -> None:
         self._lib.ts_inject(self._ring, nth, kind)
@@ -365,7 +393,7 @@ class Engine:
         self.queue_depth = queue_depth
         self.block_size = block_size  # bytes
         self.direct = direct
-        self._backend: Any
+        self._backend: Backend
         if backend in ("auto", "io_uring"):
             ok, why = io_uring_status()
             if ok:
@@ -385,7 +413,7 @@ class Engine:
         self._owned: list[File | StripedFile] = []
         self._lock = threading.Lock()
         self._outstanding: set[IOFuture] = set()
-        self._failed: list[IOFuture] = []
+        self._failed: list[Future] = []
         self._closed = False
 
     @property
@@ -498,11 +526,11 @@ class Engine:
                 aligned = n - n % ALIGN if (part.direct_fd is not None and pa % ALIGN == 0
                                              and po % ALIGN == 0) else 0
                 if aligned:
-                    yield _Piece(None, op, part, part.direct_fd, pa, aligned, po, True)
+                    yield Piece(None, op, part, part.direct_fd, pa, aligned, po, True)
                 if n - aligned:
-                    yield _Piece(None, op, part, part.fd, pa + aligned, n - aligned, po + aligned, False)
+                    yield Piece(None, op, part, part.fd, pa + aligned, n - aligned, po + aligned, False)
 
-    def _on_done(self, fut: IOFuture) -> None:
+    def _on_done(self, fut: Future) -> None:  # an IOFuture
         with self._lock:
             self._outstanding.discard(fut)
             if fut.exception() is not None:
@@ -520,7 +548,9 @@ class Engine:
         with self._lock:
             failed, self._failed = self._failed, []
         if failed:
-            raise failed[0].exception()
+            error = failed[0].exception()
+            assert error is not None  # only futures that failed are kept
+            raise error
 
     def fsync(self, file: File | StripedFile) -> None:
         """Make everything written to `file` durable."""
@@ -552,7 +582,7 @@ class Engine:
         for f in owned:
             f.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

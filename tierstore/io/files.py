@@ -83,10 +83,10 @@ class File:
     def direct(self) -> bool:
         return self.direct_fd is not None
 
-    def files(self) -> list["File"]:
+    def files(self) -> list[File]:
         return [self]
 
-    def map(self, offset: int, length: int) -> list[tuple["File", int, int, int]]:
+    def map(self, offset: int, length: int) -> list[tuple[File, int, int, int]]:
         return [(self, offset, 0, length)] if length else []
 
     def size(self) -> int:
@@ -144,7 +144,7 @@ class StripedFile:
 
     def map(self, offset: int, length: int) -> list[tuple[File, int, int, int]]:
         n, unit = len(self.parts), self.stripe_unit
-        out = []
+        out: list[tuple[File, int, int, int]] = []
         pos, end = offset, offset + length
         while pos < end:
             k, within = divmod(pos, unit)
@@ -153,8 +153,8 @@ class StripedFile:
             part = self.parts[k % n]
             # Merge with the previous piece when it continues in the same part (n == 1).
             if out and out[-1][0] is part and out[-1][1] + out[-1][3] == phys:
-                f, o, b, l = out[-1]
-                out[-1] = (f, o, b, l + take)
+                f, o, b, nbytes = out[-1]
+                out[-1] = (f, o, b, nbytes + take)
             else:
                 out.append((part, phys, pos - offset, take))
             pos += take

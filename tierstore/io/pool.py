@@ -58,7 +58,7 @@ class Buffer:
 
     __slots__ = ("pool", "index", "addr", "nbytes", "_released", "__weakref__")
 
-    def __init__(self, pool: "BufferPool", index: int):
+    def __init__(self, pool: BufferPool, index: int):
         self.pool = pool
         self.index = index  # which buffer of the pool
         self.nbytes = pool.buffer_bytes  # bytes
@@ -89,7 +89,7 @@ class Buffer:
             self._released = True
             self.pool._give_back(self.index)
 
-    def __enter__(self) -> "Buffer":
+    def __enter__(self) -> Buffer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -157,7 +157,7 @@ class BufferPool:
             err = ctypes.get_errno()
             limit = memlock_limit()
             lim = "unlimited" if limit is None else fmt_bytes(limit)
-            self._u8 = None  # drop the view so the mapping can go
+            del self._u8  # drop the view so the mapping can go
             self._mm.close()
             if err in (errno.ENOMEM, errno.EAGAIN) and (limit is None or self.nbytes <= limit):
                 raise PinnedMemoryError(  # the limit allows it: the memory itself is short
@@ -230,7 +230,7 @@ class BufferPool:
             self.locked = False
         # The mapping itself is unmapped when the last tensor viewing it is gone.
 
-    def __enter__(self) -> "BufferPool":
+    def __enter__(self) -> BufferPool:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,12 +8,12 @@ have one layout (``tierstore.quant.packed``, [Note: packed layout]).
 """
 from __future__ import annotations
 
+from .codecs import BlockInt4, BlockInt8, BlockQuant, Dynamic8, codec_for  # registers the codecs with numcodecs
 from .dynamic import build_tables, magnitudes
 from .layout import DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, num_blocks
-from .schemes import SCHEMES, Scheme, register
 from .packed import codes_nbytes
 from .quantized import Quantized, dequantize, empty_quantized, error_bound, quantize
-from .codecs import BlockInt4, BlockInt8, BlockQuant, Dynamic8, codec_for  # registers the codecs with numcodecs
+from .schemes import SCHEMES, Scheme, register
 
 __all__ = [
     "BlockInt4", "BlockInt8", "BlockQuant", "Dynamic8", "codec_for", "DEFAULT_BLOCK", "MAX_BLOCK", "MIN_BLOCK",

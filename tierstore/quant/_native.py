@@ -1,4 +1,5 @@
-"""ctypes binding of native/quant.c (``tierstore._native_quant``). One call = one whole tensor."""
+"""ctypes binding of native/quant.c (``tierstore._native_quant``), declared in native/quant.h
+(tests/test_native_abi.py checks these against it). One call = one whole tensor."""
 from __future__ import annotations
 
 import ctypes
@@ -16,6 +17,7 @@ from .schemes import Scheme, fused_adamw_pair, get
 THREAD_MIN_NUMEL = 1 << 16  # elements
 
 
+# tsq_job in native/quant.h
 class _Job(ctypes.Structure):
     _fields_ = [
         ("scheme", ctypes.c_int32), ("dtype", ctypes.c_int32), ("n", ctypes.c_int64), ("block", ctypes.c_int64),
@@ -26,6 +28,7 @@ class _Job(ctypes.Structure):
     ]
 
 
+# tsq_adamw_job in native/quant.h
 class _AdamWJob(ctypes.Structure):
     _fields_ = [
         ("n", ctypes.c_int64), ("block", ctypes.c_int64), ("param", ctypes.c_void_p), ("grad", ctypes.c_void_p),
@@ -42,25 +45,41 @@ class _AdamWJob(ctypes.Structure):
     ]
 
 
-_lib = None
+_lib: ctypes.CDLL | None = None
+_missing: ImportError | None = None  # why the library could not be loaded (kept: find_spec is not free)
 
 
-def available() -> bool:
-    """Whether the native kernels are built (the torch reference is used otherwise)."""
-    global _lib
+def lib() -> ctypes.CDLL:
+    """The kernels' library with its functions typed as native/quant.h declares them; ImportError (with the fix)
+    when it is not built."""
+    global _lib, _missing
     if _lib is None:
+        if _missing is not None:
+            raise _missing
         try:
             lib = _native.load("quant")
-        except ImportError:
-            _lib = False
-            return False
+        except ImportError as e:
+            _missing = e
+            raise
         for fn in (lib.tsq_quantize, lib.tsq_dequantize):
             fn.argtypes = [ctypes.POINTER(_Job)]
             fn.restype = ctypes.c_int
         lib.tsq_adamw_step.argtypes = [ctypes.POINTER(_AdamWJob)]
         lib.tsq_adamw_step.restype = ctypes.c_int
+        for fn in (lib.tsq_job_layout, lib.tsq_adamw_job_layout):
+            fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint]
+            fn.restype = ctypes.c_int
         _lib = lib
-    return _lib is not False
+    return _lib
+
+
+def available() -> bool:
+    """Whether the native kernels are built (the torch reference is used otherwise)."""
+    try:
+        lib()
+    except ImportError:
+        return False
+    return True
 
 
 def default_threads(numel: int) -> int:
@@ -96,13 +115,13 @@ def _check(rc: int, what: str) -> None:
 def quantize(scheme: str | Scheme, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, block: int,
              nthreads: int | None = None) -> None:
     j = _job(scheme, x, codes, absmax, block, nthreads)
-    _check(_lib.tsq_quantize(ctypes.byref(j)), "quantize")
+    _check(lib().tsq_quantize(ctypes.byref(j)), "quantize")
 
 
 def dequantize(scheme: str | Scheme, codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, block: int,
                nthreads: int | None = None) -> None:
     j = _job(scheme, out, codes, absmax, block, nthreads)
-    _check(_lib.tsq_dequantize(ctypes.byref(j)), "dequantize")
+    _check(lib().tsq_dequantize(ctypes.byref(j)), "dequantize")
 
 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, m_absmax: torch.Tensor,
@@ -119,7 +138,9 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, m
         raise TierstoreValueError(f"the fused AdamW kernel cannot step m in {get(m_scheme).name!r} and v in "
                                   f"{get(v_scheme).name!r} codes; use adamw_step_8bit(backend='torch')")
     n = param.numel()
-    tm, tv = get(m_scheme).code_map(), get(v_scheme).code_map()
+    m_map, v_map = get(m_scheme).code_map, get(v_scheme).code_map
+    assert m_map is not None and v_map is not None  # fused_adamw_pair: both are dynamic maps
+    tm, tv = m_map(), v_map()
     w1 = np.float32(1.0 - beta1)
     j = _AdamWJob(
         n=n, block=block, param=param.data_ptr(), grad=grad.data_ptr(), m_codes=m_codes.data_ptr(),
@@ -131,7 +152,7 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, m
         decay=1.0 - lr * weight_decay, w1=float(w1), one_minus_w1=float(np.float32(1.0) - w1), beta2=beta2,
         w2=1.0 - beta2, bc2_sqrt=math.sqrt(1.0 - beta2 ** step), eps=eps, step_size=lr / (1.0 - beta1 ** step),
         nthreads=nthreads if nthreads is not None else default_threads(n), portable=int(bool(portable)))
-    rc = _lib.tsq_adamw_step(ctypes.byref(j))
+    rc = lib().tsq_adamw_step(ctypes.byref(j))
     if rc > 0:
         raise TierstoreValueError(f"the AdamW step made m or v NaN or Inf in {rc} block(s) (their 8-bit codes are "
                                   f"now unspecified); check the gradients for NaN/Inf before stepping")

@@ -75,7 +75,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import torch
@@ -125,7 +125,7 @@ def _u2f(u: int) -> float:
     return struct.unpack("<f", struct.pack("<I", u))[0]
 
 
-@lru_cache(maxsize=None)
+@cache
 def build_tables(signed: bool, rounding: str = "nearest") -> DynamicTables:
     """The signed (first-moment) or unsigned (second-moment) map and its lookup tables. See [Note: the dynamic map].
 
@@ -167,7 +167,7 @@ def build_tables(signed: bool, rounding: str = "nearest") -> DynamicTables:
                          half_gap=err, rounding=rounding)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _torch_tables(signed: bool, rounding: str = "nearest") -> tuple[torch.Tensor, torch.Tensor]:
     t = build_tables(signed, rounding)
     return torch.from_numpy(t.values.copy()), torch.from_numpy(t.mids[:-1].copy())

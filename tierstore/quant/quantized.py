@@ -48,7 +48,7 @@ class Quantized:
 
     @classmethod
     def packed(cls, buf: torch.Tensor, scheme: str, numel: int, block_size: int,
-               dtype: torch.dtype = torch.float32, *, readonly: bool = False) -> "Quantized":
+               dtype: torch.dtype = torch.float32, *, readonly: bool = False) -> Quantized:
         """The Quantized view (no copy) of a packed buffer of ``numel`` elements ([Note: packed layout] in
         packed.py): quantize(x, out=...) fills it, dequantize() reads it. ``dtype``: of the tensor it holds;
         ``readonly``: see packed.split."""
@@ -58,7 +58,7 @@ class Quantized:
     def dequantize(self, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize(self, out=out, dtype=dtype)
 
-    def narrow(self, start: int, length: int) -> "Quantized":
+    def narrow(self, start: int, length: int) -> Quantized:
         """A view of elements [start, start + length) (flat), sharing codes and absmax; ``start`` must be a
         multiple of the block size, and the view must end on a block boundary or at the end of the tensor."""
         n, bs = self.numel, self.block_size

@@ -25,9 +25,9 @@ sit in bytes (one per byte, or two per byte for 4 bits) is the packed layout's b
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
 
 import torch
 
@@ -58,7 +58,8 @@ class Scheme:
     native: bool = False  # tsq_quantize / tsq_dequantize (native/quant.c) implement scheme id `id`
     fused_adamw: str | None = None  # the moment tsq_adamw_step can keep in these codes: "m", "v" or None
     codec_id: str = GENERIC_CODEC_ID  # numcodecs codec id that stores it
-    codec_config: tuple = field(default=None)  # (key, value) pairs of that codec's config that pick this scheme
+    # (key, value) pairs of that codec's config that pick this scheme; the None default is replaced in __post_init__
+    codec_config: tuple = field(default=None)  # type: ignore[arg-type]
 
     def __post_init__(self):
         if self.codec_config is None:

@@ -31,16 +31,18 @@ torch's, which very rarely moves an 8-bit code across a boundary: the parity tes
 The reference path (backend="torch") is the chunked one below.
 
 [Note: 8-bit step]
-The reference path, one step of a parameter: for each chunk of ``chunk`` elements (a multiple of the block size, so every chunk
-owns whole blocks), dequantize m and v into two reused fp32 buffers, run torch's own AdamW (the fused CPU
-kernel, torch.optim.adamw.adamw(fused=True)) on the chunk, requantize m and v in place. The chunk keeps the
-fp32 buffers in cache between the three passes; nothing is allocated per step. The chunk's step counter is
-a scratch copy: the kernel increments it, and the parameter's own counter is incremented once at the end.
+The reference path, one step of a parameter: for each chunk of ``chunk`` elements (a multiple of the block
+size, so every chunk owns whole blocks), dequantize m and v into two reused fp32 buffers, run torch's own
+AdamW (the fused CPU kernel, torch.optim.adamw.adamw(fused=True)) on the chunk, requantize m and v in place.
+The chunk keeps the fp32 buffers in cache between the three passes; nothing is allocated per step. The
+chunk's step counter is a scratch copy: the kernel increments it, and the parameter's own counter is
+incremented once at the end.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim.adamw import adamw as _adamw
@@ -50,6 +52,9 @@ from . import _native
 from .layout import DEFAULT_BLOCK, check_block_size
 from .quantized import Quantized, _use_native, dequantize, empty_quantized, quantize
 from .schemes import fused_adamw_pair
+
+if TYPE_CHECKING:
+    from ..typing import Codec
 
 STATE_SCHEMES = {"exp_avg": "dyn8s", "exp_avg_sq": "dyn8v"}
 MIN_QUANT_NUMEL = 4096  # elements
@@ -73,7 +78,7 @@ class StatePolicy:
 
     @classmethod
     def make(cls, block_size: int = DEFAULT_BLOCK, min_numel: int = MIN_QUANT_NUMEL,
-             keep_fp32: Iterable[str | torch.Tensor] = ()) -> "StatePolicy":
+             keep_fp32: Iterable[str | torch.Tensor] = ()) -> StatePolicy:
         """``keep_fp32``: parameter names and/or parameter tensors whose states stay fp32."""
         keys = frozenset(k if isinstance(k, str) else id(k) for k in keep_fp32)
         return cls(block_size, min_numel, keys)
@@ -85,7 +90,7 @@ class StatePolicy:
             return None
         return STATE_SCHEMES.get(state)
 
-    def codec_for(self, state: str, param: torch.Tensor, name: str | None = None):
+    def codec_for(self, state: str, param: torch.Tensor, name: str | None = None) -> Codec | None:
         """The numcodecs codec to store that state with (None: store fp32 as is)."""
         from .codecs import codec_for
 
@@ -132,8 +137,8 @@ def adamw_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: dict, ws: Wo
     m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
     p = param.detach().view(-1)
     g = grad.detach().reshape(-1).to(torch.float32)
-    kw = dict(amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
-              maximize=maximize, fused=True)
+    kw: dict[str, Any] = dict(amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
+                              maximize=maximize, fused=True)
     if not isinstance(m, Quantized) and not isinstance(v, Quantized):
         _adamw([p], [g], [m.view(-1)], [v.view(-1)], [], [step], **kw)
         return
@@ -153,7 +158,7 @@ def adamw_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: dict, ws: Wo
     chunk = max(bs, ws.chunk // bs * bs)
     for start in range(0, n, chunk):
         length = min(chunk, n - start)
-        states = []
+        states: list[tuple[Quantized | None, torch.Tensor]] = []
         for s, buf in ((m, ws.m), (v, ws.v)):
             if isinstance(s, Quantized):
                 part = s.narrow(start, length)
@@ -164,9 +169,9 @@ def adamw_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: dict, ws: Wo
         ws.step.copy_(step)
         _adamw([p[start:start + length]], [g[start:start + length]], [states[0][1]], [states[1][1]], [], [ws.step],
                **kw)
-        for part, buf in states:
-            if part is not None:
-                quantize(buf, part.scheme, part.block_size, out=part)
+        for q, buf in states:
+            if q is not None:
+                quantize(buf, q.scheme, q.block_size, out=q)
     step += 1
 
 

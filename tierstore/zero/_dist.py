@@ -84,6 +84,7 @@ def _all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
     backend = str(dist.get_backend(group))
     if x.device.type == "cpu" and "gloo" not in backend and "mpi" not in backend and "cpu" not in backend:
         acc = torch.accelerator.current_accelerator()
+        assert acc is not None  # a backend with no CPU side (NCCL) runs on one
         y = x.to(torch.device(acc.type, torch.accelerator.current_device_index()))
         dist.all_reduce(y, op=op, group=group)
         return x.copy_(y)

@@ -34,7 +34,8 @@ the serial, so hooks created for an older graph can tell they are stale.
 """
 from __future__ import annotations
 
-from typing import Hashable, Iterable, NamedTuple, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from typing import NamedTuple
 
 
 class Entry(NamedTuple):

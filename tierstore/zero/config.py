@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -94,7 +95,7 @@ class OffloadConfig:
         """Some state lives on a persistent tier (it needs nvme_paths)."""
         return any(tier_info(t).persistent for t in (self.params, self.optimizer_states, self.gradients))
 
-    def replace(self, **changes) -> "OffloadConfig":
+    def replace(self, **changes) -> OffloadConfig:
         """A copy with some fields changed (e.g. other tiers to load a checkpoint into)."""
         return dataclasses.replace(self, **changes)
 
@@ -105,7 +106,7 @@ class OffloadConfig:
         return d
 
     @classmethod
-    def from_deepspeed(cls, ds_config: Mapping[str, Any], **overrides) -> "OffloadConfig":
+    def from_deepspeed(cls, ds_config: Mapping[str, Any], **overrides) -> OffloadConfig:
         """Map a DeepSpeed config dict; `overrides` win. Warns once, naming every key that is ignored.
 
         Mapped: zero_optimization.stage (must be 3), .offload_param.{device, nvme_path, pin_memory},

@@ -59,7 +59,7 @@ class Subscribers:
     def __bool__(self) -> bool:
         return bool(self._subs)
 
-    def add(self, subscriber) -> "Subscription":
+    def add(self, subscriber) -> Subscription:
         self._subs.append(subscriber)
         return Subscription(self, subscriber)
 

@@ -29,7 +29,7 @@ later ones hold roughly the gradients of the buckets not yet due. One small coll
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -144,10 +144,10 @@ class GradientReducer:
                                  + [1 if g in dirty else 0 for g in self.trainable]
                                  + [1 if name in got else 0 for name in names], dtype=torch.int64)
             _dist.all_reduce_max(flags, self.group)
-            flags = flags.tolist()
-            dirty = {g for g, d in zip(self.trainable, flags[t:2 * t]) if d}
-            got = {name for name, f in zip(names, flags[2 * t:]) if f}
-            schedule.agree(self.trainable, flags[:t])
+            agreed = flags.tolist()
+            dirty = {g for g, d in zip(self.trainable, agreed[t:2 * t]) if d}
+            got = {name for name, f in zip(names, agreed[2 * t:]) if f}
+            schedule.agree(self.trainable, agreed[:t])
         self.grad_names |= got
         again = 0
         for gid in self.trainable:

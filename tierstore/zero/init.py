@@ -52,7 +52,7 @@ from . import _dist
 from .config import OffloadConfig
 
 CHUNK_MIN_BYTES = 1 << 20  # a stored chunk of a slice holds max(sub_group_bytes, this) bytes (see _offload)
-_active: list["Init"] = []
+_active: list[Init] = []
 _lock = threading.Lock()
 
 
@@ -69,7 +69,7 @@ class _Handle:
 
     __slots__ = ("init", "keys", "shape", "dtype", "lo", "hi", "chunk", "world", "rank", "_left")
 
-    def __init__(self, init: "Init", keys: list[str], shape: torch.Size, dtype: torch.dtype, lo: int, hi: int,
+    def __init__(self, init: Init, keys: list[str | None], shape: torch.Size, dtype: torch.dtype, lo: int, hi: int,
                  chunk: int, world: int, rank: int):
         self.init, self.keys, self.shape, self.dtype = init, keys, torch.Size(shape), dtype
         self.lo, self.hi, self.chunk, self.world, self.rank = lo, hi, chunk, world, rank
@@ -91,15 +91,16 @@ class _Handle:
         for i in range(first, last + 1):
             c_lo = self.lo + i * self.chunk
             s, e = max(a2, c_lo), min(b2, c_lo + self.chunk)
-            if self.keys[i] is None:
+            key = self.keys[i]
+            if key is None:
                 raise MisuseError(f"elements [{s}, {e}) of a parameter built under zero.Init were already "
                                   f"taken by an optimizer; a parameter can be partitioned by one Zero3Optimizer")
-            vals = self.init.store.get(self.keys[i])
+            vals = self.init.live_store().get(key)
             out[s - a:e - a].copy_(vals[s - c_lo:e - c_lo])
             del vals
             self._left[i] -= e - s
             if self._left[i] <= 0:
-                self.init._discard(self.keys[i])
+                self.init._discard(key)
                 self.keys[i] = None
 
     def discard(self) -> None:
@@ -130,7 +131,7 @@ class Init:
         self.group = process_group
         self.world_size, self.rank = 1, 0
         self.store: Store | None = None
-        self._tmpdir = None
+        self._tmpdir: str | None = None
         self._keys = itertools.count()
         self._live = 0
         self._inside = False
@@ -146,7 +147,7 @@ class Init:
         return self._live
 
     # -- the context ------------------------------------------------------------------------------------
-    def __enter__(self) -> "Init":
+    def __enter__(self) -> Init:
         if not self.enabled:
             return self
         cfg = self.config
@@ -172,7 +173,8 @@ class Init:
                 super(torch.nn.Module, cls).__init_subclass__(**kw)
                 if init_self._inside:
                     init_self._patch(cls)
-            torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+            # patching nn.Module for the classes defined inside the context is what Init is for
+            torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -180,7 +182,7 @@ class Init:
             return
         with _lock:
             for cls, orig in self._patched.items():
-                cls.__init__ = orig
+                cls.__init__ = orig  # type: ignore[misc]  # restores the class's own __init__
             self._patched.clear()
             if self._orig_init_subclass is None:
                 del torch.nn.Module.__init_subclass__
@@ -209,9 +211,9 @@ class Init:
                 if init._inside:
                     init._offload(module)
 
-        __init__.__wrapped__ = orig
+        __init__.__wrapped__ = orig  # type: ignore[attr-defined]  # for inspect.signature
         self._patched[cls] = orig
-        cls.__init__ = __init__
+        cls.__init__ = __init__  # type: ignore[misc]  # the patch Init exists for; undone in __exit__
 
     # -- offloading -------------------------------------------------------------------------------------
     def _offload(self, module: torch.nn.Module) -> None:
@@ -225,14 +227,15 @@ class Init:
             # test-sized sub-groups (KiB) from cutting a parameter into thousands of store entries
             chunk = max(1, max(self.config.sub_group_bytes, CHUNK_MIN_BYTES) // p.element_size())  # elements
             flat = p.data.detach().reshape(-1)
-            keys = []
+            keys: list[str | None] = []  # None once the optimizer took the chunk
             with torch.profiler.record_function("tierstore::init_offload"):
                 for at in range(lo, hi, chunk):
                     key = f"i{next(self._keys)}"
-                    self.store.put(key, flat[at:min(at + chunk, hi)], tier=self.config.params)
+                    self.live_store().put(key, flat[at:min(at + chunk, hi)], tier=self.config.params)
                     keys.append(key)
             del flat
-            p._tierstore_init = _Handle(self, keys, p.shape, p.dtype, lo, hi, chunk, self.world_size, self.rank)
+            handle = _Handle(self, keys, p.shape, p.dtype, lo, hi, chunk, self.world_size, self.rank)
+            p._tierstore_init = handle  # type: ignore[attr-defined]  # the handle travels with the parameter
             self.offloaded += 1
             self.offloaded_bytes += (hi - lo) * p.element_size()
             self._live += len(keys)
@@ -240,6 +243,13 @@ class Init:
             any_new = True
         if any_new:
             _guard_unclaimed(module)
+
+    def live_store(self) -> Store:
+        """The store of the chunks (while the context is open, and until every chunk was taken)."""
+        if self.store is None:
+            raise MisuseError("zero.Init has no store: enter the context (`with zero.Init(...):`) before building "
+                              "the model")
+        return self.store
 
     def _discard(self, key: str) -> None:
         if self.store is not None and key in self.store:
@@ -292,10 +302,11 @@ def reduce_scatter_exact(full: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def _all_subclasses(cls: type) -> list[type]:
-    out, todo = [], [cls]
+    out: list[type] = []
+    todo: list[type] = [cls]
     while todo:
-        c = todo.pop()
-        for s in c.__subclasses__():
+        subclasses: list[type] = todo.pop().__subclasses__()
+        for s in subclasses:
             if s not in out:
                 out.append(s)
                 todo.append(s)

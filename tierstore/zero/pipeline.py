@@ -13,8 +13,9 @@ already submitted (so nothing is half-written when the call returns) and is rais
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -32,7 +33,8 @@ class StepPipeline:
 
     def run(self, items: Sequence[Any], load: Callable[[Any], Any], compute: Callable[[Any, Any], Any],
             save: Callable[[Any, Any], None]) -> None:
-        if self._reader is None:
+        reader, writer = self._reader, self._writer
+        if reader is None or writer is None:
             for it in items:
                 save(it, compute(it, load(it)))
             self.peak_in_flight = 1 if items else 0
@@ -45,7 +47,7 @@ class StepPipeline:
         try:
             for i, it in enumerate(items):
                 while nxt < len(items) and nxt <= i + self.ahead:
-                    reads.append(self._reader.submit(_profiled, "tierstore::step_read", load, items[nxt]))
+                    reads.append(reader.submit(_profiled, "tierstore::step_read", load, items[nxt]))
                     nxt += 1
                 loaded = reads.popleft().result()
                 self.peak_in_flight = max(self.peak_in_flight, len(reads) + 1 + len(writes))
@@ -54,7 +56,7 @@ class StepPipeline:
                 del loaded
                 while len(writes) >= self.behind:
                     writes.popleft().result()
-                writes.append(self._writer.submit(_profiled, "tierstore::step_write", save, it, result))
+                writes.append(writer.submit(_profiled, "tierstore::step_write", save, it, result))
                 del result
             while writes:
                 writes.popleft().result()

@@ -12,6 +12,8 @@ fp32 additions (the tests hold it to 1e-6 relative).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -58,32 +60,37 @@ class TiledLinear(nn.Module):
             nn.ModuleList(_Tile(i, o, bias and c == 0, in_features, device=device, dtype=dtype)
                           for c, i in enumerate(self.in_parts)) for o in self.out_parts)
 
+    def _rows(self) -> Iterable[Iterable[_Tile]]:
+        """The rows of tiles (self.tiles is a ModuleList of ModuleLists of _Tile)."""
+        return cast("Iterable[Iterable[_Tile]]", self.tiles)
+
     def reset_parameters(self) -> None:
         """nn.Linear's initialisation over the whole layer: bounds from in_features, not a tile's width (each
         tile draws its values when it is built; this draws them again)."""
-        for row in self.tiles:
+        for row in self._rows():
             for lin in row:
                 lin.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xs = x.split(self.in_parts, dim=-1)
         outs = []
-        for row in self.tiles:
-            acc = None
+        for row in self._rows():
+            acc: torch.Tensor | None = None
             for lin, xi in zip(row, xs):
                 y = lin(xi)
                 acc = y if acc is None else acc + y
+            assert acc is not None  # every row has at least one tile
             outs.append(acc)
         return torch.cat(outs, dim=-1)
 
     @torch.no_grad()
-    def copy_from(self, linear: nn.Linear) -> "TiledLinear":
+    def copy_from(self, linear: nn.Linear) -> TiledLinear:
         """Take the weights (and bias) of an nn.Linear of the same size."""
         if (linear.in_features, linear.out_features) != (self.in_features, self.out_features):
             raise TierstoreValueError(f"copy_from: nn.Linear is {linear.in_features}->{linear.out_features}, "
                                       f"this TiledLinear {self.in_features}->{self.out_features}")
         r0 = 0
-        for row, o in zip(self.tiles, self.out_parts):
+        for row, o in zip(self._rows(), self.out_parts):
             c0 = 0
             for lin, i in zip(row, self.in_parts):
                 lin.weight.copy_(linear.weight[r0:r0 + o, c0:c0 + i])
@@ -94,7 +101,7 @@ class TiledLinear(nn.Module):
         return self
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, in_splits: int = 1, out_splits: int = 1) -> "TiledLinear":
+    def from_linear(cls, linear: nn.Linear, *, in_splits: int = 1, out_splits: int = 1) -> TiledLinear:
         t = cls(linear.in_features, linear.out_features, linear.bias is not None, in_splits=in_splits,
                 out_splits=out_splits, device=linear.weight.device, dtype=linear.weight.dtype)
         return t.copy_from(linear)
