@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tierstore.store as store_mod
-import tierstore.tiers.nvme as nvme_mod
+import tierstore.tiers.nvme.writes as nvme_writes
 from tierstore.errors import CorruptionError, TierstoreIOError
 from tierstore.store import Store
 
@@ -180,7 +180,7 @@ def test_filesystem_shutdown_after_the_rename(ext4, monkeypatch):
 def _refuse_fallocate(monkeypatch, code=errno.ENOSPC):
     def refuse(fd, offset, length):
         raise OSError(code, os.strerror(code))
-    monkeypatch.setattr(nvme_mod, "_fallocate", refuse)
+    monkeypatch.setattr(nvme_writes, "_fallocate", refuse)
 
 
 @pytest.mark.parametrize("n", [BIG, SMALL], ids=["streamed", "packed"])

@@ -19,7 +19,7 @@ fsyncs the extent files (and the directories when files were created), (3) write
 ``manifest.json.tmp``, fsyncs it, renames it over ``manifest.json`` and fsyncs the directory, and only
 then (4) lets the allocator reuse the space of versions the new manifest no longer names. A crash before
 the rename leaves the previous manifest, whose extents were never overwritten (copy-on-write, see
-[Note: space is never reused before the manifest stops pointing at it] in tiers/nvme.py); a crash after
+[Note: space is never reused before the manifest stops pointing at it] in tiers/nvme/extents.py); a crash after
 it leaves the new one, whose data was durable before it was written. Every extent's crc32c is checked on
 read, and the manifest carries a crc32c of its own body.
 
@@ -27,7 +27,7 @@ read, and the manifest carries a crc32c of its own body.
 Before the manifest rename nothing the previous flush named was touched (copy-on-write), so a failed flush
 leaves the previous flush standing; what the error must say is what became of the values put since.
 A value whose space could not be reserved (a full disk, see [Note: space is reserved when it is
-allocated] in tiers/nvme.py) still has its memory copy: a later flush() stores it. A value whose only copy
+allocated] in tiers/nvme/writes.py) still has its memory copy: a later flush() stores it. A value whose only copy
 was a write that failed (an EIO) is gone: its tensor is back at its last flushed value, or removed if never
 flushed, and the error names it without advising a retry. After the rename, a failed directory fsync
 leaves it unknown which manifest a crash would leave: both are kept intact -- the new extents stay

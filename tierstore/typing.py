@@ -1,7 +1,7 @@
 """The types of what callers hand to tierstore: codecs and tensor-like values.
 
 ``Codec`` is the Store's ``codec=`` argument (``Store.put``) and a TieredTensor's codec: any numcodecs-style
-object ([Note: codecs] in tensor.py) — numcodecs' own codecs, tierstore.quant's block quantizers, the identity
+object ([Note: codecs] in encoding.py) — numcodecs' own codecs, tierstore.quant's block quantizers, the identity
 codec. ``TensorLike`` is what ``Store.put`` and ``TieredTensor.update`` accept as a value: a torch tensor on
 any device, a numpy array, or any DLPack producer (cupy, jax, ...). Both are checked at run time
 (``isinstance(x, Codec)``; ``SupportsDLPack`` for the last kind of value), so they are runtime_checkable:

@@ -95,10 +95,10 @@ import crc32c
 import torch
 
 from ..errors import CorruptionError, TierstoreError, TierstoreIOError, TierstoreValueError, advice
+from ..io.checksum import crc_at, memory_at
 from ..io.files import fsync_dir
 from ..partition import Plan, reshard_copies
-from ..store import STORED_DTYPES
-from ..tiers.nvme import crc_at, memory_at
+from ..manifest import STORED_DTYPES
 from . import _dist, keys
 from ._layout import fp32_twin
 

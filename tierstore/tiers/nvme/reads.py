@@ -1,0 +1,247 @@
+"""Reads of extents: small ones coalesced into buffer-sized runs, large ones in chunks, every crc32c checked.
+
+[Note: how reads are issued]
+Small extents (<= half a pool buffer) are sorted by place and coalesced into buffer-sized reads
+(neighbours at most 64 KiB apart) through pool buffers, then copied out. Larger extents are read in
+buffer-sized chunks, many in flight (across tensors too): straight into `out` with O_DIRECT when it
+is 4 KiB aligned, else through pool buffers with the copy of chunk k overlapping the reads of the
+chunks after it. Each chunk's crc32c is folded in as it completes, in order.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections import deque
+
+import torch
+
+from ...errors import CorruptionError, TierstoreValueError
+from ...io import ALIGN, Buffer, BufferPool, Engine
+from ...io.checksum import crc_at
+from ..base import TierStats, profile_range
+from .extents import EXTENT_FILE, Extent, ExtentSpace, align_up
+from .files import ExtentFiles
+from .writes import ExtentWriter
+
+RUN_GAP = 64 << 10  # bytes: the largest hole between two small extents read in one request
+
+
+def plan_runs(extents: list[Extent], buffer_bytes: int) -> list[list[int]]:
+    """Indices of `extents` grouped into runs, each one read of at most `buffer_bytes` bytes: neighbours in
+    one extent file at most RUN_GAP apart, in file order."""
+    runs: list[list[int]] = []
+    for i in sorted(range(len(extents)), key=lambda i: (extents[i].file, extents[i].offset)):
+        e = extents[i]
+        if runs:
+            r0, last = extents[runs[-1][0]], extents[runs[-1][-1]]
+            if (e.file == r0.file and 0 <= e.offset - (last.offset + last.alloc) <= RUN_GAP
+                    and e.offset + e.alloc - r0.offset <= buffer_bytes):
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return runs
+
+
+def corruption(files: ExtentFiles, e: Extent, got: int, what: str) -> CorruptionError:
+    """The error of extent `e` whose bytes read back with crc32c `got`."""
+    paths = files.paths(e.file, e.offset, e.length)
+    return CorruptionError(
+        f"{what}: checksum mismatch (crc32c {got:#010x}, expected {e.crc:#010x}) reading "
+        f"{e.length} bytes at offset {e.offset} of extent file {EXTENT_FILE.format(e.file)} "
+        f"({', '.join(paths)}); the file was changed outside tierstore or the disk returned bad data",
+        paths[0] if len(paths) == 1 else ",".join(paths), e.offset, e.length)
+
+
+def truncation(files: ExtentFiles, e: Extent, what: str) -> CorruptionError | None:
+    """A CorruptionError when extent `e` reaches past the end of a part of its extent file (a read of it
+    comes back short), else None."""
+    for part, phys, _within, length in files.list[e.file].map(e.offset, e.alloc):
+        size = os.fstat(part.fd).st_size  # bytes
+        if size < phys + length:
+            return CorruptionError(
+                f"{what}: the extent file {part.path} ends at byte {size}, inside this tensor's {e.length} "
+                f"bytes at offset {e.offset} of extent file {EXTENT_FILE.format(e.file)}: the file was "
+                "truncated outside tierstore; restore it from a backup, or delete the tensor",
+                part.path, e.offset, e.length)
+    return None
+
+
+def check_readable(files: ExtentFiles, e: Extent, what: str) -> None:
+    """Raise the CorruptionError of a damaged extent (its file was found truncated at open)."""
+    if e.damaged:
+        raise truncation(files, e, what) or CorruptionError(
+            f"{what}: its extent {e!r} reached past the end of its extent file when the store was opened; "
+            "restore the store's files from a backup, or delete the tensor", None, e.offset, e.length)
+
+
+class ExtentReader:
+    """Reads extents of `files` into caller tensors through `engine` (and `pool` buffers where needed)."""
+
+    def __init__(self, engine: Engine, pool: BufferPool, space: ExtentSpace, files: ExtentFiles,
+                 writer: ExtentWriter, stats: TierStats):
+        self.engine = engine
+        self.pool = pool
+        self.space = space
+        self.files = files
+        self.writer = writer
+        self.stats = stats
+
+    def read_many(self, items: list[tuple[Extent, torch.Tensor, str]]) -> list[BaseException | None]:
+        """See NvmeTier.read_many and [Note: how reads are issued]."""
+        errors: list[BaseException | None] = [None] * len(items)
+        bb = self.pool.buffer_bytes
+        small, big, began = [], [], []
+        for i, (e, out, what) in enumerate(items):
+            if e.length == 0:
+                continue
+            if out.numel() != e.length or out.element_size() != 1 or out.device.type != "cpu" \
+                    or not out.is_contiguous():
+                raise TierstoreValueError(f"{what}: reads go into a contiguous uint8 CPU tensor of {e.length} "
+                                          f"elements; got {out.dtype} {tuple(out.shape)} on {out.device}")
+            try:
+                check_readable(self.files, e, what)
+                self.space.begin_read(e)
+            except BaseException as exc:
+                errors[i] = exc
+                continue
+            began.append(e)
+            (small if e.alloc <= bb // 2 else big).append(i)
+        t0 = time.perf_counter()
+        try:
+            for i in small + big:
+                try:
+                    self.writer.wait_written(items[i][0])
+                except BaseException as exc:
+                    errors[i] = exc
+            small = [i for i in small if errors[i] is None]
+            big = [i for i in big if errors[i] is None]
+            runs = [[small[k] for k in run] for run in plan_runs([items[i][0] for i in small], bb)]
+            with profile_range("tierstore::nvme_read"):
+                self._read_runs(items, runs, errors)
+                self._read_big(items, big, errors)
+        finally:
+            for e in began:
+                self.space.end_read(e)
+            moved = sum(items[i][0].length for i in small + big if errors[i] is None)  # bytes
+            self.stats.add("out", moved, time.perf_counter() - t0)
+        return errors
+
+    def _lease_or_finish(self, window: deque, finish) -> Buffer:
+        """A pool buffer; while none is free, finish the oldest read of `window` (freeing its buffer)."""
+        buf = self.pool.try_lease()
+        while buf is None:
+            if window:
+                finish()
+                buf = self.pool.try_lease()
+            else:
+                buf = self.writer.lease()
+        return buf
+
+    def _read_big(self, items, idx: list[int], errors: list) -> None:
+        bb = self.pool.buffer_bytes  # bytes per chunk
+        max_direct = max(8, self.pool.count)  # chunks in flight when reading straight into the results
+        window: deque = deque()  # (item, start, take, pool buffer or None, io future), oldest first
+        crcs = dict.fromkeys(idx, 0)
+
+        def finish_oldest() -> None:
+            i, a, take, buf, io = window.popleft()
+            e, out, what = items[i]
+            try:
+                try:
+                    io.result()
+                except BaseException as exc:
+                    errors[i] = errors[i] or truncation(self.files, e, what) or exc
+                    return
+                if errors[i] is not None:
+                    return
+                dst = out.data_ptr() + a
+                if buf is not None:
+                    ctypes.memmove(dst, buf.addr, take)
+                crcs[i] = crc_at(dst, take, crcs[i])  # [Note: one pass over the data, while it is in cache]
+                if a + take == e.length and crcs[i] != e.crc:
+                    errors[i] = corruption(self.files, e, crcs[i], what)
+            finally:
+                if buf is not None:
+                    buf.release()
+        try:
+            for i in idx:
+                e, out, what = items[i]
+                sf = self.files.list[e.file]
+                direct = out.data_ptr() % ALIGN == 0
+                for a in range(0, e.length, bb):
+                    take = min(bb, e.length - a)
+                    if direct:
+                        while len(window) >= max_direct:
+                            finish_oldest()
+                        buf, target = None, out[a:a + take]
+                    else:
+                        buf = self._lease_or_finish(window, finish_oldest)
+                        target = buf.tensor(torch.uint8, align_up(take))
+                    try:
+                        io = self.engine.read(sf, target, e.offset + a)
+                    except BaseException as exc:
+                        if buf is not None:
+                            buf.release()
+                        errors[i] = errors[i] or exc
+                        break
+                    window.append((i, a, take, buf, io))
+            while window:
+                finish_oldest()
+        finally:
+            while window:
+                _i, _a, _t, buf, io = window.popleft()
+                io.exception()  # wait: the kernel may still write into the memory
+                if buf is not None:
+                    buf.release()
+
+    def _read_runs(self, items, runs: list[list[int]], errors: list) -> None:
+        window: deque = deque()
+        alone: list[int] = []  # of a run that failed: extents not cut off by a truncation, read again alone
+
+        def finish_oldest() -> None:
+            run, start, buf, io = window.popleft()
+            try:
+                try:
+                    io.result()
+                except BaseException as exc:
+                    for i in run:
+                        e, _out, what = items[i]
+                        cut = truncation(self.files, e, what)
+                        if cut is None and len(run) > 1:
+                            alone.append(i)
+                        else:
+                            errors[i] = cut or exc
+                    return
+                for i in run:
+                    e, out, what = items[i]
+                    dst = out.data_ptr()
+                    ctypes.memmove(dst, buf.addr + (e.offset - start), e.length)
+                    got = crc_at(dst, e.length)
+                    if got != e.crc:
+                        errors[i] = corruption(self.files, e, got, what)
+            finally:
+                buf.release()
+        try:
+            for run in runs:
+                first, last = items[run[0]][0], items[run[-1]][0]
+                length = last.offset + last.alloc - first.offset
+                buf = self._lease_or_finish(window, finish_oldest)
+                try:
+                    io = self.engine.read(self.files.list[first.file], buf.tensor(torch.uint8, length),
+                                          first.offset)
+                except BaseException as exc:
+                    buf.release()
+                    for i in run:
+                        errors[i] = exc
+                    continue
+                window.append((run, first.offset, buf, io))
+            while window:
+                finish_oldest()
+        finally:
+            while window:
+                _r, _s, buf, io = window.popleft()
+                io.exception()
+                buf.release()
+        if alone:
+            self._read_runs(items, [[i] for i in alone], errors)

@@ -1,0 +1,321 @@
+"""Writes into extents: small tensors packed into a staging buffer, large ones streamed, disk space reserved.
+
+[Note: small tensors are packed, large ones streamed]
+A tensor whose aligned size fits in a pool buffer is *staged*: copied into the current staging buffer at
+the next 4 KiB boundary of a buffer-sized region allocated in one piece; when the next tensor does not
+fit (or someone needs the data: a read, `sync()`), the buffer is written in one request. 10,000 tensors
+of 4 KiB-1 MiB thus become ~4 MiB writes. A larger tensor streams through pool buffers, a buffer at a
+time, with as many writes in flight as the pool has free buffers (back-pressure when it has none).
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+from ...errors import MisuseError, TierstoreValueError, io_error
+from ...io import Buffer, BufferPool, Engine
+from ...io.checksum import crc_at
+from ..base import TierStats, profile_range
+from .extents import Extent, ExtentSpace, align_up
+from .files import ExtentFiles, part_ranges
+
+PREALLOC_FROM = 32 << 20  # bytes: extent files are preallocated beyond this size (see _preallocate)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def _fallocate(fd: int, offset: int, length: int) -> None:
+    """Reserve [offset, offset + length) of a file (mode 0: the file grows). OSError on failure."""
+    if length > 0 and _libc.fallocate(fd, 0, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+class _Staging:
+    """The buffer small tensors are packed into, and the region of an extent file it will be written to."""
+
+    __slots__ = ("buf", "file", "base", "region", "fill", "future")
+
+    def __init__(self, buf: Buffer, file: int, base: int, region: int):
+        self.buf, self.file, self.base, self.region = buf, file, base, region  # region: bytes
+        self.fill = 0  # bytes packed so far (4 KiB multiple)
+        self.future: Future = Future()
+
+
+class ExtentWriter:
+    """Writes tensors into newly allocated extents of `files` through `engine` and `pool` buffers, and knows
+    every write still in flight. Shares `space.lock` with the tier."""
+
+    def __init__(self, engine: Engine, pool: BufferPool, space: ExtentSpace, files: ExtentFiles, stats: TierStats):
+        self.engine = engine
+        self.pool = pool
+        self.space = space
+        self.files = files
+        self.stats = stats
+        self._lock = space.lock
+        self._staging: _Staging | None = None
+        self._inflight: set[Future] = set()
+        self._inflight_lock = threading.Lock()
+        self._prealloc: dict[int, int] = {}  # extent file -> logical bytes reserved with fallocate
+        self._prealloc_ok = True
+
+    # -- space --------------------------------------------------------------------------------------
+    def _allocate(self, nbytes: int, account: bool = True) -> tuple[int, int]:
+        """(file, offset) of `nbytes` of free space, its extent file open (lock held)."""
+        f, off = self.space.allocate(nbytes, account)
+        try:
+            self.files.get(f)
+        except BaseException:
+            self.space.release(f, off, nbytes, account)
+            raise
+        self._preallocate(f, off + nbytes)
+        return f, off
+
+    def _reserve(self, f: int, off: int, nbytes: int, what: str) -> None:
+        """Give logical bytes [off, off + nbytes) of extent file `f` their disk blocks now (lock held).
+
+        [Note: space is reserved when it is allocated]
+        A write runs after the call that asked for it has returned (packed writes wait for their buffer to
+        fill), so a full disk found by the write is found too late: the value may exist nowhere else (an
+        nvme-only tensor's update, a put with no memory tier) and the caller was already told it was stored.
+        So every new extent's range is reserved with fallocate() by the call that allocates it: on a full
+        disk that call raises ENOSPC while the previous value is intact (copy-on-write), and the write into
+        reserved blocks cannot run out of space. Space inside the preallocated prefix of a file (see
+        _preallocate) already has its blocks. Where fallocate is not supported the write reports a full disk
+        itself, later, and flush() names the values that were lost (see [Note: when a flush fails] in
+        store.py); so do errors other than a full disk (EIO), which no reservation can foresee."""
+        if not self._prealloc_ok or nbytes == 0 or off + nbytes <= self._prealloc.get(f, 0):
+            return
+        try:
+            for part, phys, _within, length in self.files.list[f].map(off, nbytes):
+                _fallocate(part.fd, phys, length)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                self._prealloc_ok = False
+                return
+            paths = self.files.paths(f, off, nbytes)
+            raise io_error(e.errno or errno.EIO, f"reserving {nbytes} bytes of disk space for {what}",
+                           ",".join(paths), off, nbytes) from None
+        self.files.dirty.add(f)
+
+    def _preallocate(self, f: int, end: int) -> None:
+        """Make sure extent file `f` has disk space reserved up to logical byte `end` (lock held).
+
+        [Note: extent files are preallocated ahead of the writes]
+        An O_DIRECT write past the end of an ext4 file has to change the file's size, and ext4 does such
+        writes one at a time instead of overlapping them: streaming 4 MiB requests into a growing file
+        ran at half the speed of the same requests into preallocated space (measured, 8 x 64 MiB). So the
+        space of each extent file is reserved with fallocate() ahead of use once the file passes
+        PREALLOC_FROM (small stores stay as small on disk as their data), growing geometrically (the size
+        so far, at most 1 GiB at a time). Best effort: where fallocate is not supported or the disk is too
+        full for a step, only what is needed is asked for, then nothing: the reservation of each extent
+        (_reserve) then reports a full disk. Reserved space no manifest names is free space, so this changes nothing for
+        crash safety; the fsync in sync() covers the new size."""
+        have = self._prealloc.get(f, 0)  # bytes, logical
+        if end <= have or end <= PREALLOC_FROM or not self._prealloc_ok:
+            return
+        step = min(end, 1 << 30)
+        sf = self.files.list[f]
+        for target in (max(end, min(end + step, self.space.alloc.file_bytes)), end):
+            try:
+                for part, start, stop in part_ranges(sf, have, target):
+                    _fallocate(part.fd, start, stop - start)
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    self._prealloc_ok = False
+                    return
+                continue  # ENOSPC and the like: try a smaller step, then leave it to the write
+            self._prealloc[f] = target
+            self.files.dirty.add(f)
+            return
+
+    # -- writes ----------------------------------------------------------------------------------
+    def _track(self, fut: Future) -> None:
+        with self._inflight_lock:
+            self._inflight.add(fut)
+
+        def done(f: Future) -> None:
+            with self._inflight_lock:
+                self._inflight.discard(f)
+        fut.add_done_callback(done)
+
+    def write(self, src: torch.Tensor, what: str) -> Extent:
+        """Start writing the bytes of `src` (a contiguous CPU tensor, any dtype); see NvmeTier.write."""
+        n = src.numel() * src.element_size()  # bytes
+        if n == 0:
+            return Extent(0, 0, 0, 0, 0)
+        if src.device.type != "cpu" or not src.is_contiguous():
+            raise TierstoreValueError("the nvme tier writes contiguous CPU tensors")
+        alen = align_up(n)
+        t0 = time.perf_counter()
+        try:
+            with profile_range("tierstore::nvme_write"):
+                if alen <= self.pool.buffer_bytes:
+                    return self._write_staged(src.data_ptr(), n, alen, what)
+                return self._write_streamed(src.data_ptr(), n, alen, what)
+        finally:
+            self.stats.add("in", n, time.perf_counter() - t0)
+
+    def _write_staged(self, addr: int, n: int, alen: int, what: str) -> Extent:
+        with self._lock:
+            st = self._staging
+            self.space.charge(alen)
+            try:
+                if st is None or st.fill + alen > st.region:
+                    self._seal()
+                    buf = self.pool.lease()
+                    try:
+                        f, base = self._allocate(self.pool.buffer_bytes, account=False)
+                    except BaseException:
+                        buf.release()
+                        raise
+                    st = self._staging = _Staging(buf, f, base, self.pool.buffer_bytes)
+                self._reserve(st.file, st.base + st.fill, alen, what)
+            except BaseException:
+                self.space.budget.give(alen)
+                raise
+            pos = st.fill
+            dst = st.buf.addr + pos
+            ctypes.memmove(dst, addr, n)
+            st.fill += alen
+            return Extent(st.file, st.base + pos, n, alen, crc_at(dst, n), st.future)
+
+    def _seal(self) -> None:
+        """Write the staging buffer (caller holds the lock)."""
+        st, self._staging = self._staging, None
+        if st is None:
+            return
+        if st.fill < st.region:
+            self.space.release(st.file, st.base + st.fill, st.region - st.fill, account=False)  # the unused tail
+        if st.fill == 0:
+            st.buf.release()
+            st.future.set_result(0)
+            return
+        self.files.dirty.add(st.file)
+        try:
+            io = self.engine.write(self.files.list[st.file], st.buf.tensor(torch.uint8, st.fill), st.base)
+        except BaseException as e:
+            st.buf.release()
+            st.future.set_exception(e)
+            raise
+        self._track(st.future)
+
+        def done(io_fut: Future, st=st) -> None:
+            st.buf.release()
+            err = io_fut.exception()
+            if err is None:
+                st.future.set_result(st.fill)
+            else:
+                st.future.set_exception(err)
+        io.add_done_callback(done)
+
+    def seal(self) -> None:
+        """Write what is staged now (normally done when the buffer is full or the data is needed)."""
+        with self._lock:
+            self._seal()
+
+    def _write_streamed(self, addr: int, n: int, alen: int, what: str) -> Extent:
+        with self._lock:
+            f, off = self._allocate(alen)
+            try:
+                self._reserve(f, off, alen, what)
+            except BaseException:
+                self.space.release(f, off, alen)
+                raise
+            self.files.dirty.add(f)
+            sf = self.files.list[f]
+        bb = self.pool.buffer_bytes
+        chunks = (alen + bb - 1) // bb
+        fut: Future = Future()
+        state = {"left": chunks, "err": None}
+        lock = threading.Lock()
+
+        def chunk_done(io_fut: Future, buf: Buffer) -> None:
+            buf.release()
+            with lock:
+                if io_fut.exception() is not None and state["err"] is None:
+                    state["err"] = io_fut.exception()
+                state["left"] -= 1
+                last = state["left"] == 0
+            if last:
+                if state["err"] is not None:
+                    fut.set_exception(state["err"])
+                else:
+                    fut.set_result(n)
+
+        self._track(fut)
+        crc = 0
+        for i in range(chunks):
+            a = i * bb
+            take = min(bb, n - a)
+            buf = self.lease()
+            ctypes.memmove(buf.addr, addr + a, take)
+            crc = crc_at(buf.addr, take, crc)  # [Note: one pass over the data, while it is in cache]
+            try:
+                io = self.engine.write(sf, buf.tensor(torch.uint8, align_up(take)), off + a)
+            except BaseException as e:
+                buf.release()
+                with lock:
+                    state["err"] = state["err"] or e
+                    state["left"] -= chunks - i  # this chunk and the ones never submitted
+                    last = state["left"] == 0
+                if last:
+                    fut.set_exception(state["err"])
+                break
+            io.add_done_callback(lambda io_fut, buf=buf: chunk_done(io_fut, buf))
+        return Extent(f, off, n, alen, crc, fut)
+
+    # -- buffers and completion ------------------------------------------------------------------------
+    def lease(self) -> Buffer:
+        """A pool buffer, waiting while every buffer is in flight (back-pressure). The open staging buffer of
+        small writes holds one of them until it is sealed; when none is free, it is sealed first -- its
+        write then frees the buffer -- so that a small pool (one buffer: pinned_budget == buffer_bytes) can
+        never wait on a release that only a later small write or a flush would bring. The wait is short and
+        repeated: another thread's small write may take the freed buffer for a new staging buffer."""
+        while True:
+            buf = self.pool.try_lease()
+            if buf is not None:
+                return buf
+            with self._lock:
+                if self._staging is not None:
+                    self._seal()
+            try:  # another thread's small write may open a new staging buffer with the freed one: look again
+                return self.pool.lease(timeout=0.05)
+            except TimeoutError:
+                continue
+
+    def wait_written(self, e: Extent) -> None:
+        """Wait until `e`'s bytes are in its file (sealing the staging buffer holding them); raises the
+        write's error."""
+        w = e.written
+        if w is None:
+            return
+        if not w.done():
+            with self._lock:
+                if self._staging is not None and self._staging.future is w:
+                    self._seal()
+        w.result()  # raises the write's error
+        e.written = None
+
+    def wait_all(self) -> None:
+        """Wait for every write in flight (their errors stay on their futures)."""
+        with self._inflight_lock:
+            pending = list(self._inflight)
+        for fut in pending:
+            fut.exception()  # wait
+
+    def drop_staging(self) -> None:
+        """Close: what is staged and not yet written never will be (its extents' futures say so)."""
+        with self._lock:
+            st, self._staging = self._staging, None
+            if st is not None:
+                st.buf.release()
+                if not st.future.done():
+                    st.future.set_exception(MisuseError("the store was closed before this data was written"))
