@@ -37,7 +37,7 @@ def png_path(json_path: str | None, default: str) -> str | None:
 def save_png(path: str | None, title: str, panels: list[Panel]) -> str:
     """Draw `panels` one under the other into `path`; returns a line saying where it went, or why not."""
     if not path:
-        return "no PNG: no path given"
+        return "no PNG: give --json PATH to get one next to it"
     try:
         import matplotlib
     except ImportError:
