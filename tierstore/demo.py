@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     p.add_argument("--resume-steps", type=int, default=3,
                    help="steps replayed from a checkpoint and compared bit for bit (default 3; 0: skip)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate, reached linearly over --warmup steps")
+    p.add_argument("--warmup", type=int, default=5, help="steps of linear learning-rate warmup (default 5)")
     p.add_argument("--states", choices=("fp32", "dynamic8"), default="fp32", help="optimizer states' encoding")
     p.add_argument("--budget", type=size_arg, default=None,
                    help="peak RSS allowed (default: a quarter of the training states' bytes)")
@@ -207,6 +208,7 @@ def _train(args, root: str, report: dict) -> bool:
                     t0 = time.perf_counter()
                     opt.save_checkpoint(ckpt)
                     ckpt_s = time.perf_counter() - t0
+                _warm(opt, args, i)
                 s0 = opt.store.stats()["nvme"]
                 clock.take()
                 t0 = time.perf_counter()
@@ -239,7 +241,8 @@ def _train(args, root: str, report: dict) -> bool:
             m2, o2 = build(_config(os.path.join(root, "resumed"), args))
             o2.load_checkpoint(ckpt)
             resumed = []
-            for x, y in data[resume_at:]:
+            for j, (x, y) in enumerate(data[resume_at:], resume_at):
+                _warm(o2, args, j)
                 loss = F.cross_entropy(m2(x).view(-1, VOCAB), y.view(-1))
                 loss.backward()
                 o2.step()
@@ -337,6 +340,12 @@ def _panels(report: dict):
                                        (report["states_bytes"] / mib,
                                         f"training states {fmt_bytes(report['states_bytes'])}")])
     return [loss, io, times, mem]
+
+
+def _warm(opt, args, i: int) -> None:
+    """The learning rate of step i (0-based): linear warmup to --lr (the resumed run sets the same)."""
+    for g in opt.param_groups:
+        g["lr"] = args.lr * min(1.0, (i + 1) / max(1, args.warmup))
 
 
 def _check(passed: bool, what: str) -> dict:

@@ -70,7 +70,7 @@ def run(args) -> int:
     print(save_png(png_path(args.json, "bench-scale.png"), "tierstore bench scale: GPT family, everything on nvme", [
         Panel("memory and disk", "GiB", [Series("peak RSS", x, [r["peak_rss"] / gib for r in results], "o-"),
                                          Series("files on disk", x, [r["on_disk"] / gib for r in results], "o-")],
-              logx=True, logy=True),
+              logx=True),
         Panel("training step", "ns per parameter", [
             Series("step time / parameters", x, [r["step_s"] / r["parameters"] * 1e9 for r in results], "o-")],
             xlabel="parameters (millions)", logx=True)]))
