@@ -9,15 +9,16 @@ PIP    := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR   ?= demo-data
 BENCH_DIR  ?= bench-data
+SCALE_MAX  ?= 1.1e9
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo check test soak bench install clean
+.PHONY: demo demo-big check test soak bench install clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard native/*.c native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,plot]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -31,6 +32,10 @@ demo: $(STAMP)
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m mypy
+# By hand, not in CI: a model whose training states are >= 1.5x this machine's RAM, a few steps (see README).
+demo-big: $(STAMP)
+	mkdir -p $(DEMO_DIR)
+	$(VENV)/bin/tierstore demo --big --dir $(DEMO_DIR)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -44,6 +49,7 @@ soak: $(STAMP)
 # Long measurements against references measured in the same run (fio, DeepSpeed aio, torch); see bench/README.md.
 bench: $(STAMP)
 	$(VENV)/bin/tierstore bench io --dir $(BENCH_DIR) --json bench/results/io.json
+	$(VENV)/bin/tierstore bench scale --dir $(BENCH_DIR) --max-params $(SCALE_MAX) --json bench/results/scale.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info tierstore/*.so $(DEMO_DIR) $(BENCH_DIR)

@@ -46,16 +46,69 @@ def test_bench_io_runs_small(tmp_path):
     assert not any((tmp_path / "d").iterdir())  # the benchmark cleans up its files
 
 
-def test_demo_trains_on_nvme_equal_to_torch(tmp_path):
+def test_demo_trains_on_nvme_and_reports_what_ran(tmp_path):
     out = tmp_path / "demo.json"
-    rc = main(["demo", "--dir", str(tmp_path / "d"), "--width", "32", "--layers", "1", "--steps", "30",
-               "--resume-steps", "2", "--json", str(out)])
+    rc = main(["demo", "--dir", str(tmp_path / "d"), "--width", "64", "--layers", "1", "--context", "32",
+               "--steps", "30", "--resume-steps", "2", "--exact-steps", "3", "--lr", "3e-3", "--text", "256K",
+               "--budget", "8G", "--json", str(out)])
     res = json.loads(out.read_text())
-    assert rc == 0 and res["ok"]
-    assert res["losses"]["zero3"] == res["losses"]["torch"]  # parameters and fp32 states on nvme: same arithmetic
-    assert res["resumed"]["zero3"] == res["resumed"]["resumed"] and len(res["resumed"]["zero3"]) == 2
-    assert res["nvme_bytes"] > 12 * res["parameters"]  # master + 2 states in fp32 (and the parameters) on disk
-    assert not any((tmp_path / "d").iterdir())  # the demo cleans up its files
+    assert rc == 0 and res["ok"] and all(c["passed"] for c in res["checks"]) and len(res["checks"]) == 4
+    ex = res["exactness"]["losses"]
+    assert ex["zero3"] == ex["torch"] and len(ex["torch"]) == 3  # everything on nvme, fp32: same arithmetic
+    steps = res["steps"]
+    assert len(steps) == 30 and res["resumed"] == [s["loss"] for s in steps[28:]]
+    assert sum(s["read_bytes"] for s in steps) > 0 and sum(s["write_bytes"] for s in steps) > 0
+    kinds = res["bytes_by_kind"]  # parameters, gradients and states all on nvme, nothing on host
+    assert set(kinds) >= {"gradients", "fp32 master", "optimizer states"}
+    assert all(set(v) == {"nvme"} for v in kinds.values())
+    assert res["states_bytes"] >= 16 * res["parameters"] * 0.99  # master (= fp32 params), grad, exp_avg, exp_avg_sq
+    for s in steps:
+        assert 0 <= s["compute_s"] <= s["fwd_bwd_s"] and s["step_s"] > 0
+    assert not any((tmp_path / "d").iterdir())  # the demo cleans up its files (the figures went to --json)
+    png = tmp_path / "demo.png"
+    try:
+        import matplotlib  # noqa: F401
+        assert png.read_bytes()[:4] == b"\x89PNG"
+    except ImportError:
+        assert not png.exists()
+
+
+def test_demo_fails_a_budget_it_did_not_keep(tmp_path):
+    rc = main(["demo", "--dir", str(tmp_path / "d"), "--width", "64", "--layers", "1", "--context", "32",
+               "--steps", "2", "--resume-steps", "0", "--exact-steps", "0", "--text", "64K", "--budget", "1M",
+               "--json", str(tmp_path / "demo.json")])
+    res = json.loads((tmp_path / "demo.json").read_text())
+    assert rc == 1 and not res["ok"]
+    assert [c["passed"] for c in res["checks"] if c["what"].startswith("within the budget")] == [False]
+
+
+def test_demo_big_picks_a_model_bigger_than_the_ram(tmp_path):
+    from tierstore.demo import _big_params
+    from tierstore.bench.gpt import count_params, shape_for
+    ram = 2 << 30  # bytes
+    w, layers = shape_for(_big_params(ram, "fp32"))
+    assert 16 * count_params(w, layers, 128) >= 1.5 * ram
+
+
+def test_bench_scale_runs_small(tmp_path):
+    out = tmp_path / "scale.json"
+    rc = main(["bench", "scale", "--sizes", "2e5,8e5", "--steps", "2", "--context", "16", "--dir", str(tmp_path),
+               "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())["results"]
+    assert [r["parameters"] < 2e6 for r in res] == [True, True] and res[0]["parameters"] < res[1]["parameters"]
+    for r in res:
+        assert r["peak_rss"] > 0 and r["on_disk"] >= r["states_bytes"] > 0 and r["step_s"] > 0
+    expected = ["scale.json", "scale.png"] if _has_matplotlib() else ["scale.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == expected  # the nvme files are gone, the figures stay
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        return False
 
 
 def test_bench_store_runs_small(tmp_path):

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "store": "Store put+flush/get of many small and a few large tensors vs the raw engine and torch.save/load",
     "partition": "layout of GPT-2/7B shapes: I/O requests per rank, their size, padding vs one file per parameter",
     "optim": "Zero3Optimizer step on host / NVMe / NVMe+8-bit vs fused torch AdamW, the raw disk and the compute",
+    "scale": "one GPT family from 64M to 1B parameters on NVMe: peak RSS, bytes on disk, step time per parameter",
 }
 
 
@@ -30,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="what this machine offers: io_uring, O_DIRECT, page-lock limit, torch")
     info.add_argument("--dir", default=".", help="directory to probe for O_DIRECT (default: .)")
     _add_common(info)
-    demo = sub.add_parser("demo", help="train a small model with its states on the NVMe tier next to torch AdamW")
+    demo = sub.add_parser("demo", help="train a GPT on the Python stdlib's sources with everything on the NVMe tier "
+                                       "and a memory budget smaller than its states (--big: states > RAM)")
     _add_common(demo)
     importlib.import_module("tierstore.demo").add_arguments(demo)
     bench = sub.add_parser("bench", help="benchmarks that print ratios against references run alongside")

@@ -247,7 +247,26 @@ def run(args) -> int:
         print(line)
     results["summary"] = summary
     write_json(args.json, results)
+    print(_plot(results, args.json))
     return 0
+
+
+def _plot(results: dict, json_path: str | None) -> str:
+    """The sequential sweep, one panel per direction, each engine a line; the PNG goes next to the JSON."""
+    from .plot import Panel, Series, png_path, save_png
+
+    panels = []
+    for op in ("write", "read"):
+        rows = [r for r in results["sequential"] if r["op"] == op]
+        x = [f"{fmt_bytes(r['block'])} qd{r['qd']}" for r in rows]
+        series = []
+        for key, label in (("io_uring_gib_s", "tierstore io_uring"), ("threads_gib_s", "tierstore threads"),
+                           ("fio_best_gib_s", "fio (best engine)"), ("deepspeed_gib_s", "DeepSpeed aio")):
+            if any(r.get(key) for r in rows):
+                series.append(Series(label, x, [r.get(key) or float("nan") for r in rows], "o-"))
+        panels.append(Panel(f"sequential {op}, O_DIRECT, median of {results['rounds']} rounds", "GiB/s", series,
+                            xlabel="request size, queue depth"))
+    return save_png(png_path(json_path, None), f"tierstore bench io: {fmt_bytes(results['size'])} file", panels)
 
 
 def _g(v) -> str:

@@ -203,6 +203,12 @@ def run(args) -> int:
         write_json(args.json, {"params": n_total, "subgroups": subgroups, "median_s": med,
                                "samples": {k2: v.seconds for k2, v in res.items()}, "peak_rss_nvme": peaks,
                                "peak_bound": bound, "io_bytes": io_bytes})
+        from .plot import Panel, Series, png_path, save_png
+        names = [n for n in res if n != "ref"]
+        print(save_png(png_path(args.json, None), f"tierstore bench optim: {n_total / 1e6:.0f}M fp32 parameters", [
+            Panel(f"one optimizer step, median of {args.rounds} rounds (torch AdamW in memory: dotted)", "ms",
+                  [Series("median", names, [med[n] * 1e3 for n in names], "o")],
+                  hlines=[(med["ref"] * 1e3, "torch AdamW(fused), in memory")])]))
         for o in opts.values():
             o.close()
         eng.close()
