@@ -356,3 +356,34 @@ def test_failed_replacement_reverts_to_the_flushed_tensor_whole(tmp_path, codec)
     s.put("y", old, "nvme")  # the store goes on working
     s.close()
     assert torch.equal(reopen_values(d, ["x"])["x"], old)
+
+
+def test_a_writable_open_makes_the_manifest_durable_first(tmp_path, monkeypatch):
+    """A manifest renamed by a flush whose directory fsync failed may not survive a crash; a later writable
+    open in the same boot would reuse the other generation's space on its word. So the open fsyncs the
+    manifest's directory entry before trusting it, and refuses (naming the file, no "free space") when that
+    fails; a read-only open needs no such step."""
+    d = str(tmp_path / "s")
+    with Store(d, host_budget=0, **opts()) as s:
+        s.put("a", val(0, SMALL), "nvme")
+    real, calls = store_mod.fsync_dir, []
+
+    def record(path):
+        calls.append(path)
+        return real(path)
+    monkeypatch.setattr(store_mod, "fsync_dir", record)
+    Store.open(d, **opts()).close(flush=False)
+    assert calls == [d]
+
+    def failing(path):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(store_mod, "fsync_dir", failing)
+    with pytest.raises(TierstoreIOError) as ei:
+        Store.open(d, **opts())
+    assert ei.value.errno == errno.EIO and "manifest.json" in str(ei.value) and "mode='r'" in str(ei.value)
+    assert "free space" not in str(ei.value).lower()
+    with Store.open(d, mode="r", **opts()) as s:  # reading needs no durability step
+        assert torch.equal(s.get("a"), val(0, SMALL))
+    monkeypatch.setattr(store_mod, "fsync_dir", real)
+    with Store.open(d, **opts()) as s:  # and the failed open left nothing held
+        assert torch.equal(s.get("a"), val(0, SMALL))

@@ -47,7 +47,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from . import zarr_io
-from .errors import MisuseError, TierstoreIOError, TierstoreValueError, advice
+from .errors import MisuseError, TierstoreIOError, TierstoreValueError, advice, io_error
 from .io import BufferPool, Engine
 from .io.files import fsync_dir
 from .manifest import MANIFEST, STORED_DTYPES, VERSION, parse_body, read_manifest, tensor_entry, write_manifest
@@ -128,6 +128,7 @@ class Store:
                 for leftover in stale:
                     if os.path.exists(leftover):
                         os.unlink(leftover)
+                _make_manifest_durable(self.paths[0])
             self._load(read_manifest(self.paths[0]))
         except BaseException:
             self._teardown()
@@ -498,3 +499,27 @@ def _lock_dirs(paths: list[str], *, shared: bool) -> list[int]:
             os.close(fd)  # releases its flock
         raise
     return fds
+
+
+def _make_manifest_durable(directory: str) -> None:
+    """Before a writable open trusts the manifest it finds: fsync it and its directory entry.
+
+    A flush whose directory fsync failed after the rename leaves a manifest that may not survive a crash
+    ([Note: when a flush fails]); that flush kept both generations' extents. A later open of the store in
+    the same boot would adopt the new manifest and reuse the old generation's space -- and a crash then
+    could bring back the old manifest, naming overwritten bytes. Making the manifest durable first closes
+    that window; when it fails the open fails, with the errno's advice, having written nothing."""
+    path = os.path.join(directory, MANIFEST)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+        fsync_dir(directory)
+    except OSError as e:
+        code = e.errno or errno.EIO
+        raise io_error(code, f"making the manifest {path} durable before opening the store for writing", path,
+                       None, None, "or open it read-only: Store.open(paths, mode='r')") from None
+    finally:
+        os.close(fd)
