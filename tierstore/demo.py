@@ -9,8 +9,9 @@ and the bytes on disk, the time split (module compute / waiting for I/O / optimi
   it learns          the mean loss of the last steps is below 85% of the first steps'
   resume is exact    a checkpoint saved before the last --resume-steps steps, loaded into a fresh model and
                      optimizer, gives the same losses bit for bit as the uninterrupted run
-  within the budget  peak RSS of the whole process stayed under --budget, which is several times smaller
-                     than the training states on disk
+  within the budget  what training added to the process's resident memory (its peak over the resident size
+                     before the model was built: Python, torch and the text) stayed under --budget, which
+                     is several times smaller than the training states on disk
   equal to torch     (a small model, --exact-steps) Zero3Optimizer with everything on nvme gives the same
                      losses as torch.optim.AdamW in memory, step for step
 A PNG (loss curve, per-step nvme I/O, memory timeline) and a JSON of every figure are written to --out.
@@ -35,8 +36,8 @@ from .bench._common import size_arg
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default="demo-data", help="directory standing in for the NVMe tier (default: demo-data)")
     p.add_argument("--out", default=None, help="where demo.json and demo.png go (default: --dir)")
-    p.add_argument("--params", type=float, default=48e6, help="model size in parameters (default 48M: ~770 MiB "
-                   "of fp32 states); --width/--layers override")
+    p.add_argument("--params", type=float, default=100e6, help="model size in parameters (default 100M: ~1.6 "
+                   "GiB of fp32 states); --width/--layers override")
     p.add_argument("--width", type=int, default=None, help="model width, a multiple of 64")
     p.add_argument("--layers", type=int, default=None, help="transformer blocks")
     p.add_argument("--context", type=int, default=128, help="tokens per sequence (default 128)")
@@ -47,8 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate, reached linearly over --warmup steps")
     p.add_argument("--warmup", type=int, default=5, help="steps of linear learning-rate warmup (default 5)")
     p.add_argument("--states", choices=("fp32", "dynamic8"), default="fp32", help="optimizer states' encoding")
+    p.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction, default=True,
+                   help="run each block under torch.utils.checkpoint (default on: activations stay one tensor "
+                        "per layer, so memory does not grow with depth)")
     p.add_argument("--budget", type=size_arg, default=None,
-                   help="peak RSS allowed (default: a quarter of the training states' bytes)")
+                   help="resident memory training may add (default: a third of the training states' bytes)")
     p.add_argument("--pinned", type=size_arg, default=32 << 20, help="the store's page-locked budget (32M)")
     p.add_argument("--text", type=size_arg, default=8 << 20, help="bytes of stdlib source to train on (8M)")
     p.add_argument("--exact-steps", type=int, default=8,
@@ -67,9 +71,10 @@ def _big_params(ram: int, states: str) -> float:
 def run(args) -> int:
     import torch
 
-    from .bench.gpt import ram_bytes, shape_for
+    from .bench.gpt import keep_heap_small, ram_bytes, shape_for
 
     torch.set_num_threads(min(4, os.cpu_count() or 1))
+    keep_heap_small()  # [Note: resident memory follows live memory] in bench/gpt.py
     if args.big:
         ram = int(args.ram_gib * (1 << 30)) if args.ram_gib else ram_bytes()
         args.params = _big_params(ram, args.states)
@@ -128,13 +133,13 @@ def _exactness(args, root: str, report: dict) -> bool:
     data = batches(text, args.exact_steps, 4, 64, seed=2)
     hyper = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     torch.manual_seed(0)
-    ref = build_model(64, 2, 64)
+    ref = build_model(64, 2, 64, checkpoint=args.checkpoint_activations)
     ref_opt = torch.optim.AdamW(ref.parameters(), **hyper)
     cfg = _config(os.path.join(root, "exact"), args).replace(state_codec=None, sub_group_bytes=1 << 20,
                                                              min_io_bytes=256 << 10)
     torch.manual_seed(0)
     with zero.Init(cfg):
-        m = build_model(64, 2, 64)
+        m = build_model(64, 2, 64, checkpoint=args.checkpoint_activations)
     z = zero.Zero3Optimizer(m, torch.optim.AdamW, config=cfg, **hyper)
     losses = {"torch": [], "zero3": []}
     try:
@@ -163,6 +168,7 @@ def _train(args, root: str, report: dict) -> bool:
     from . import zero
     from .bench._common import print_table
     from .bench.gpt import (VOCAB, StepClock, batches, build_model, bytes_by_tier_and_kind, count_params,
+                            reset_peak_rss,
                             dir_bytes, proc_status, stdlib_text)
 
     text, files, src = stdlib_text(args.text)
@@ -176,7 +182,7 @@ def _train(args, root: str, report: dict) -> bool:
     def build(c):
         torch.manual_seed(0)
         with zero.Init(c):
-            m = build_model(args.width, args.layers, args.context)
+            m = build_model(args.width, args.layers, args.context, checkpoint=args.checkpoint_activations)
         return m, zero.Zero3Optimizer(m, torch.optim.AdamW, config=c, **hyper)
 
     title = (f"tierstore demo: {n_params / 1e6:.1f}M-parameter GPT ({args.layers} x {args.width}), "
@@ -184,6 +190,8 @@ def _train(args, root: str, report: dict) -> bool:
     report["title"] = title
     print(f"{title}\ntext: {fmt_bytes(len(text))} of Python {sys.version.split()[0]}'s own sources "
           f"({files} files under {src}), byte-level tokens; {args.batch} x {args.context} tokens per step")
+    reset_peak_rss()  # the peak from here on is this run's (not the exactness check's)
+    base_rss = proc_status("VmRSS")  # bytes: Python, torch, the text -- before any of the model exists
     t_build = time.perf_counter()
     model, opt = build(cfg)
     build_s = time.perf_counter() - t_build
@@ -255,7 +263,8 @@ def _train(args, root: str, report: dict) -> bool:
     states_bytes = sum(sum(v.values()) for v in kinds.values())
     peak = max(s["peak_rss"] for s in steps)
     if budget is None:
-        budget = states_bytes // 4
+        budget = states_bytes // 3
+    added = peak - base_rss  # bytes of resident memory the model and its training added
     # -- the summary ---------------------------------------------------------------------------------------
     tiers = ("device", "host", "nvme")
     rows = [[k] + [fmt_bytes(v.get(t, 0)) if v.get(t) else "-" for t in tiers] for k, v in sorted(kinds.items())]
@@ -266,7 +275,8 @@ def _train(args, root: str, report: dict) -> bool:
     wait = sum(s["wait_s"] for s in steps)
     stp = sum(s["step_s"] for s in steps)
     rows = [
-        ["peak RSS of the process (VmHWM)", fmt_bytes(peak), f"{peak / budget:.2f}x the budget"],
+        ["resident before the model (Python, torch, text)", fmt_bytes(base_rss), ""],
+        ["peak RSS of the process (VmHWM)", fmt_bytes(peak), f"+{fmt_bytes(added)} for the model and training"],
         ["memory budget", fmt_bytes(budget), f"{states_bytes / budget:.1f}x smaller than the states"],
         ["training states (store)", fmt_bytes(states_bytes), f"{states_bytes / peak:.1f}x the peak RSS"],
         ["files on disk (allocated)", fmt_bytes(on_disk), f"{on_disk / peak:.1f}x the peak RSS"],
@@ -296,10 +306,12 @@ def _train(args, root: str, report: dict) -> bool:
         checks.append(_check(passed, f"resume is exact: checkpoint at step {resume_at}, loaded into a fresh model "
                                      f"and optimizer: the next {len(tail)} losses equal the uninterrupted run's "
                                      f"bit for bit"))
-    passed = peak <= budget
+    passed = added <= budget
     ok &= passed
-    checks.append(_check(passed, f"within the budget: peak RSS {fmt_bytes(peak)} <= {fmt_bytes(budget)}, "
-                                 f"{states_bytes / budget:.1f}x smaller than the {fmt_bytes(states_bytes)} of states"))
+    checks.append(_check(passed, f"within the budget: training added {fmt_bytes(added)} of resident memory (peak "
+                                 f"{fmt_bytes(peak)} over {fmt_bytes(base_rss)} before the model) <= "
+                                 f"{fmt_bytes(budget)}, {states_bytes / budget:.1f}x smaller than the "
+                                 f"{fmt_bytes(states_bytes)} of states"))
     if args.ram:
         passed = states_bytes >= 1.5 * args.ram
         ok &= passed
@@ -308,7 +320,8 @@ def _train(args, root: str, report: dict) -> bool:
     report.update({
         "parameters": n_params, "width": args.width, "layers": args.layers, "context": args.context,
         "batch": args.batch, "states": args.states, "text_bytes": len(text), "text_files": files,
-        "budget": budget, "peak_rss": peak, "states_bytes": states_bytes, "on_disk": on_disk,
+        "budget": budget, "peak_rss": peak, "base_rss": base_rss, "added_rss": added, "states_bytes": states_bytes,
+        "on_disk": on_disk,
         "bytes_by_kind": kinds, "steps": steps, "resume_at": resume_at, "resumed": resumed, "ram": args.ram,
         "seconds": {"wall": wall, "compute": comp, "wait": wait, "step": stp, "build": build_s,
                     "checkpoint": ckpt_s},
@@ -336,7 +349,8 @@ def _panels(report: dict):
     mib = 1 << 20
     mem = Panel("memory", "MiB", [Series("RSS after the step", x, [s["rss"] / mib for s in st]),
                                   Series("peak RSS so far", x, [s["peak_rss"] / mib for s in st], "--")],
-                xlabel="step", hlines=[(report["budget"] / mib, f"budget {fmt_bytes(report['budget'])}"),
+                xlabel="step", hlines=[((report["base_rss"] + report["budget"]) / mib,
+                                        f"before the model + budget {fmt_bytes(report['budget'])}"),
                                        (report["states_bytes"] / mib,
                                         f"training states {fmt_bytes(report['states_bytes'])}")])
     return [loss, io, times, mem]

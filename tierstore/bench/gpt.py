@@ -23,10 +23,13 @@ def shape_for(params: float) -> tuple[int, int]:
     return width, 4
 
 
-def build_model(width: int, layers: int, context: int):
+def build_model(width: int, layers: int, context: int, *, checkpoint: bool = False):
     """A GPT: token and position embeddings, pre-norm blocks (causal attention, 4x MLP), a head tied to the
     token embedding. Every module holding parameters is a leaf (nn.Linear, nn.LayerNorm, nn.Embedding), so
-    the ZeRO-3 hooks' module_enter / module_exit bracket exactly one module's compute."""
+    the ZeRO-3 hooks' module_enter / module_exit bracket exactly one module's compute. checkpoint: run each
+    block under torch.utils.checkpoint (only its input is kept for backward, which recomputes the rest):
+    the memory of the activations then grows by one tensor per layer, not twenty."""
+    import torch.utils.checkpoint
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -68,7 +71,8 @@ def build_model(width: int, layers: int, context: int):
         def forward(self, idx):
             x = self.embed(idx) + self.pos(torch.arange(idx.shape[1]))
             for blk in self.blocks:
-                x = blk(x)
+                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False) if checkpoint and \
+                    torch.is_grad_enabled() else blk(x)
             return self.head(self.ln(x))
 
     return GPT()
@@ -112,6 +116,35 @@ def batches(text: bytes, steps: int, batch: int, context: int, seed: int = 1):
         out.append((torch.stack([data[s:s + context] for s in st]).long(), torch.stack([data[s + 1:s + 1 + context]
                                                                                     for s in st]).long()))
     return out
+
+
+def keep_heap_small() -> None:
+    """Make freed large blocks go back to the system (glibc; elsewhere nothing to do).
+
+    [Note: resident memory follows live memory]
+    glibc serves a large malloc with its own mmap and unmaps it on free -- until a free of such a block
+    raises its threshold (up to 32 MiB), after which blocks of that size come from the heap and stay
+    resident when freed. A training step frees and allocates blocks of a layer's size all the time
+    (gathered parameters, gradients, sub-group buffers), so resident memory would measure the most ever
+    allocated, not what is alive. A fixed threshold of 1 MiB keeps the two close, at the cost of an mmap per
+    large block (small next to moving it to or from disk)."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: bytes
+        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD: bytes
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM over from the current resident size (Linux: clear_refs 5), so a later peak is this
+    phase's, not an earlier one's. Nothing happens where that is not available."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def proc_status(field: str) -> int:  # bytes
@@ -213,14 +246,18 @@ class StepClock:
         def start(grad):
             box["t"] = time.perf_counter()
 
-        def end(grads):
+        def end(grad):
             if "t" in box:
                 self.compute += time.perf_counter() - box.pop("t")
 
+        # Plain tensor hooks, held by the tensors alone: under torch.utils.checkpoint a block's first forward
+        # keeps nothing for backward and its hooks never fire; they must die with its tensors (a multi-grad
+        # hook's state holds its tensors in a cycle, which kept a layer's activations alive per step).
         output.register_hook(start)  # after the coordinator's own hook on it: its gather is done
-        torch.autograd.graph.register_multi_grad_hook(inputs, end)
+        inputs[0].register_hook(end)  # every timed module here (Linear, LayerNorm) takes one input
 
     def take(self) -> float:
+        """The compute seconds since the last take(); called once per step."""
         c, self.compute = self.compute, 0.0
         return c
 
