@@ -32,17 +32,26 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
 from .encoding import IDENTITY, as_bytes, codec_config, copy_host, decode, encode, nbytes_of, out_bytes
 from .errors import MisuseError, TierFullError, TierstoreIOError, TierstoreValueError, prefixed
 from .io.pool import physical_memory
-from .tiers import MEMORY_TIERS, PERSISTENT_TIERS, TIERS, MemoryTier, PersistentTier, profile_range, tier_index, \
-    tier_info
+from .tiers import (
+    MEMORY_TIERS,
+    PERSISTENT_TIERS,
+    TIERS,
+    MemoryTier,
+    PersistentTier,
+    profile_range,
+    tier_index,
+    tier_info,
+)
 from .tiers.host import result_empty
 
 log = logging.getLogger("tierstore.store")

@@ -42,7 +42,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -134,7 +135,7 @@ class Store:
             raise
 
     @classmethod
-    def open(cls, paths, *, mode: str = "w", **kwargs) -> "Store":
+    def open(cls, paths, *, mode: str = "w", **kwargs) -> Store:
         """Open an existing store (every tensor of its last completed flush). Same directories, same order.
 
         mode: 'w' (default) to read and change it, holding every directory exclusively; 'r' to only read it
@@ -366,7 +367,7 @@ class Store:
                             compressor=compressor, chunk_bytes=chunk_bytes)
 
     @classmethod
-    def import_zarr(cls, path: str | os.PathLike, paths, *, tier: str | None = None, **kwargs) -> "Store":
+    def import_zarr(cls, path: str | os.PathLike, paths, *, tier: str | None = None, **kwargs) -> Store:
         """A new Store at `paths` holding every array of the zarr group at `path` (flushed)."""
         arrays = zarr_io.read_group(path)
         store = cls(paths, **kwargs)
@@ -409,7 +410,7 @@ class Store:
         for fd in fds:
             os.close(fd)  # releases its flock
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

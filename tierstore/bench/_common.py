@@ -13,9 +13,9 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Iterator
 
 from .._units import fmt_bytes  # noqa: F401  (re-exported for the benchmarks)
 
@@ -65,7 +65,7 @@ class Samples:
 
 
 def interleave(cases: dict[str, Callable[[], float | None]], rounds: int,
-               progress: "Progress | None" = None) -> dict[str, Samples]:
+               progress: Progress | None = None) -> dict[str, Samples]:
     """Run every case once per round, in the same order each round (A B A B ...).
 
     A case returns its own elapsed seconds (to exclude set-up) or None to be timed whole."""
@@ -86,14 +86,14 @@ class Progress:
     def __init__(self, total: int, description: str):
         self._bar = None
         if sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
-                TimeElapsedColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
 
             self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TimeElapsedColumn(), transient=True)
             self._task = self._bar.add_task(description, total=total)
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self._bar is not None:
             self._bar.start()
         return self

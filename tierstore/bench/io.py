@@ -17,6 +17,7 @@ import tempfile
 
 from ._common import Progress, fmt_bytes, gib_s, interleave, print_table, ratio, size_arg, write_json
 
+
 def add_arguments(p) -> None:
     p.add_argument("--dir", default="bench-data", help="directory on the disk under test (created)")
     p.add_argument("--size", type=size_arg, default=1 << 30, help="sequential file size (default 1G)")

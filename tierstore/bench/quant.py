@@ -65,19 +65,19 @@ def run(args) -> int:
                     cases["bnb dq"] = lambda c=c, s=stt: (bnbf.dequantize_blockwise(c, s), None)[1]
                     stats["bnb dyn8"] = err(x0, bnbf.dequantize_blockwise(c, stt))
                 else:
-                    cases["copy"] = lambda x=x0: (out.copy_(x), None)[1]
+                    cases["copy"] = lambda x=x0, out=out: (out.copy_(x), None)[1]
                 for s in schemes:
                     x = x0 if SCHEMES[s].signed else x0.abs()  # an unsigned scheme gets |x|
                     q = empty_quantized(n, s, bs)
                     quantize(x, s, bs, out=q)
                     cases[f"{s} q"] = lambda x=x, s=s, bs=bs, q=q: (quantize(x, s, bs, out=q), None)[1]
-                    cases[f"{s} dq"] = lambda q=q: (dequantize(q, out=out), None)[1]
+                    cases[f"{s} dq"] = lambda q=q, out=out: (dequantize(q, out=out), None)[1]
                     stats[s] = err(x, dequantize(q))
                     if not args.no_torch_reference and s == "dyn8s" and bs == blocks[0]:
                         qt = empty_quantized(n, s, bs)
                         cases["dyn8s (torch ref) q"] = lambda x=x, qt=qt, bs=bs: (
                             quantize(x, "dyn8s", bs, out=qt, backend="torch"), None)[1]
-                        cases["dyn8s (torch ref) dq"] = lambda qt=qt: (
+                        cases["dyn8s (torch ref) dq"] = lambda qt=qt, out=out: (
                             dequantize(qt, out=out, backend="torch"), None)[1]
                         quantize(x, "dyn8s", bs, out=qt, backend="torch")
                 prog.describe(f"{dname} block {bs}")
@@ -101,11 +101,11 @@ def run(args) -> int:
                                                  rt_vs_ref=ref_rt / rt, ref=ref_name, mean_abs=e[0], max_abs=e[1],
                                                  rel_rms=e[2]))
     if not args.step_only:
+        ref_what = "bitsandbytes dynamic 8-bit, same block" if bnbf else "2 x torch copy_ (bitsandbytes not installed)"
         print_table(f"block quantizers, {n} fp32 elements (median of {args.rounds} A B A B rounds)",
                     ["data", "block", "scheme", "q ms", "dq ms", "rt GB/s", "rt vs ref", "mean abs", "max abs",
                      "rel RMS"], rows,
-                    caption=f"ref = {'bitsandbytes dynamic 8-bit, same block' if bnbf else '2 x torch copy_ (bitsandbytes not installed)'}; "
-                            "ms are context, the ratio is the result")
+                    caption=f"ref = {ref_what}; ms are context, the ratio is the result")
     if not args.no_step:
         # [Note: fused 8-bit step] (quant/states.py): the fused native step, the reference path it replaces
         # (dequantize -> torch's fused AdamW -> requantize, reused buffers) and torch's fused fp32 AdamW, A B A B

@@ -86,8 +86,17 @@ def _one(args) -> int:
 
     from .. import zero
     from ._common import parse_size
-    from .gpt import (VOCAB, batches, build_model, bytes_by_tier_and_kind, count_params, dir_bytes, proc_status,
-                      shape_for, stdlib_text)
+    from .gpt import (
+        VOCAB,
+        batches,
+        build_model,
+        bytes_by_tier_and_kind,
+        count_params,
+        dir_bytes,
+        proc_status,
+        shape_for,
+        stdlib_text,
+    )
 
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     n = float(args.sizes)

@@ -97,8 +97,8 @@ import torch
 from ..errors import CorruptionError, TierstoreError, TierstoreIOError, TierstoreValueError, advice
 from ..io.checksum import crc_at, memory_at
 from ..io.files import fsync_dir
-from ..partition import Plan, reshard_copies
 from ..manifest import STORED_DTYPES
+from ..partition import Plan, reshard_copies
 from . import _dist, keys
 from ._layout import fp32_twin
 
@@ -740,10 +740,10 @@ def _source_layout(body: dict) -> list[tuple[int, Plan, list[int]]]:
 
 
 def _assemble(ck: _Checkpoint, src: Plan, dst: Plan, s_gids: list[int], rank: int, roles: list[str],
-              dtype: torch.dtype, device, has=None, fill=None):
+              dtype: torch.dtype, device, has: dict[int, list[str]] | None = None, fill=None):
     """Yield (destination bucket, {role: this rank's shard}, [source buckets it draws on, in order]) one bucket
     at a time, each shard built from the source records ``<src gid>.<role>`` of every source rank it overlaps.
-    has(source bucket) -> the roles that source has records for (default: all); a role none of the sources
+    has[source bucket] -> the roles that source has records for (default: all); a role none of the sources
     of the destination bucket (on any rank, so every rank of it agrees) holds is left out of its dict, and
     elements of a role from a source without it are fill[role] (default 0). See [Note: streaming save and
     load]."""
@@ -758,11 +758,11 @@ def _assemble(ck: _Checkpoint, src: Plan, dst: Plan, s_gids: list[int], rank: in
     for b in dst.buckets:
         copies = by_dst.get(b.index, [])
         srcs = srcs_of.get(b.index, [])
-        present = {r for sb in srcs for r in (has(sb) if has else roles)}
+        present = {r for sb in srcs for r in (has[sb] if has is not None else roles)}
         out = {role: torch.full((b.shard_numel,), fill.get(role, 0.0), dtype=dtype, device=device)
                for role in roles if role in present}
         for c in copies:
-            for role in (has(c.src_bucket) if has else roles):
+            for role in (has[c.src_bucket] if has is not None else roles):
                 if role in out:
                     s = ck.record(c.src_rank, s_gids[c.src_bucket], role, src.buckets[c.src_bucket].shard_numel)
                     out[role][c.dst_offset:c.dst_offset + c.numel].copy_(
@@ -830,7 +830,7 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
         roles = ["master"] + [f"state.{k}" for k in all_keys]
         for b, shards, srcs in _assemble(
                 ck, fp32_twin(s_plan), fp32_twin(gl.plan), s_gids, me, roles, torch.float32, "cpu",
-                has=lambda sb: ["master"] + [f"state.{k}" for k in per_element[sb]],
+                has={sb: ["master"] + [f"state.{k}" for k in ks] for sb, ks in per_element.items()},
                 fill={f"state.{k}": fresh.get(k, 0.0) for k in all_keys}):
             st = {k: shards[f"state.{k}"] for k in all_keys if f"state.{k}" in shards}
             stepped = [sb for sb in srcs if per_element[sb] or scalars[sb] or aux[s_gids[sb]]]

@@ -36,8 +36,9 @@ per module); the forward's end releases it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 

@@ -182,7 +182,7 @@ class SubgroupStepper:
                     disk.append((role, name))
             if disk:
                 outs = []
-                for role, name in disk:
+                for _role, name in disk:
                     t = self.store.tensor(name)
                     outs.append(self.buffers.take(math.prod(t.shape), t.dtype).view(t.shape))
                 read = self.store.get_many([n for _r, n in disk], out=outs)

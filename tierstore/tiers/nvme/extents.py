@@ -48,7 +48,7 @@ class Extent:
                 "crc32c": self.crc}
 
     @classmethod
-    def from_json(cls, d, path: str | None = None, field: str = "extent") -> "Extent":
+    def from_json(cls, d, path: str | None = None, field: str = "extent") -> Extent:
         """The extent a manifest entry describes, its fields checked (types, ranges, alignment; whether it lies
         inside the extent files is ExtentSpace.check's). CorruptionError names `path` and `field`."""
         def bad(what: str) -> CorruptionError:
