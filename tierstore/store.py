@@ -450,11 +450,12 @@ def _make_dir(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        hint = {errno.EROFS: "the filesystem is read-only: open an existing store there with "
-                             "Store.open(paths, mode='r')",
-                errno.EACCES: "give a directory this user can write to",
-                errno.EPERM: "give a directory this user can write to",
-                errno.ENOSPC: "the disk is full: free space or use another disk"}.get(e.errno, "check the path")
+        hints: dict[int | None, str] = {  # by e.errno (None for an OSError raised without one)
+            errno.EROFS: "the filesystem is read-only: open an existing store there with Store.open(paths, mode='r')",
+            errno.EACCES: "give a directory this user can write to",
+            errno.EPERM: "give a directory this user can write to",
+            errno.ENOSPC: "the disk is full: free space or use another disk"}
+        hint = hints.get(e.errno, "check the path")
         raise TierstoreIOError(e.errno or errno.EIO, f"cannot create the store directory {path}: {e.strerror}; "
                                f"{hint}", path) from None
 

@@ -183,7 +183,7 @@ class ExtentSpace:
     def _release_when_written(self, e: Extent) -> None:
         w = e.written
         if w is not None and not w.done():
-            w.add_done_callback(lambda _f, e=e: self._late.append(e))  # freed at the next allocation
+            w.add_done_callback(lambda _f: self._late.append(e))  # freed at the next allocation
         else:
             self.release(e.file, e.offset, e.alloc)
 
