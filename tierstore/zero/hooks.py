@@ -384,8 +384,9 @@ class ParamCoordinator:
     def _after_backward(self, token: _AfterBackward) -> None:
         """A hooked forward call's backward is over (the gradients of its inputs are complete). See
         [Note: releasing frozen buckets in backward]."""
-        if self.schedule.current(token.serial, token.index):
-            self.residency.call_backward_done(self.schedule.entries[token.index].gids)
+        index = token.index  # None until the post-hook filled it in
+        if index is not None and self.schedule.current(token.serial, index):
+            self.residency.call_backward_done(self.schedule.entries[index].gids)
 
     def _backward_end(self) -> None:
         try:

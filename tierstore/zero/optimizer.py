@@ -589,7 +589,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self.coordinator.remove()
         self._stepper.close()
         self.store.close(flush=False)
-        self.store = None
+        self.store = None  # type: ignore[assignment]  # None marks it closed; a Store for as long as it is open
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 

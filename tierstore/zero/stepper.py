@@ -260,6 +260,7 @@ class SubgroupStepper:
         gid, got, resident = t.gid, t.tensors, t.resident
         try:
             master = t.master_out
+            assert master is not None  # step_loaded() fills it before save()
             if "master" not in resident or master.data_ptr() != got["master"].data_ptr():
                 self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
             pname = keys.param(gid)
