@@ -124,7 +124,7 @@ def print_table(title: str, columns: list[str], rows: Iterable[Iterable], captio
     Console(width=max(100, len(columns) * 19)).print(table)
 
 
-def ratio(a: float, b: float) -> str:
+def ratio(a: float | None, b: float | None) -> str:
     """'1.23x' for a/b (both throughputs, or both 1/time), '-' when either is missing."""
     if a is None or b is None or b != b or a != a or b == 0:
         return "-"

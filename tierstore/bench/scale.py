@@ -112,7 +112,7 @@ def _one(args) -> int:
     opt = zero.Zero3Optimizer(model, torch.optim.AdamW, config=cfg, lr=1e-4)
     build_s = time.perf_counter() - t0
     times, losses = [], []
-    kinds = None
+    kinds: dict[str, dict[str, int]] = {}  # {kind: {tier: bytes}} at the last step
     try:
         for i, (x, y) in enumerate(batches(stdlib_text(1 << 20)[0], args.steps, args.batch, args.context)):
             t0 = time.perf_counter()
