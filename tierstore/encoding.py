@@ -13,7 +13,7 @@ registered with numcodecs is stored in the manifest and found again on reopen). 
 from __future__ import annotations
 
 import ctypes
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

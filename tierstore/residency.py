@@ -32,17 +32,27 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
 from .encoding import IDENTITY, as_bytes, codec_config, copy_host, decode, encode, nbytes_of, out_bytes
 from .errors import MisuseError, TierFullError, TierstoreIOError, TierstoreValueError, prefixed
 from .io.pool import physical_memory
-from .tiers import MEMORY_TIERS, PERSISTENT_TIERS, TIERS, MemoryTier, PersistentTier, profile_range, tier_index, \
-    tier_info
+from .tiers import (
+    MEMORY_TIERS,
+    PERSISTENT_TIERS,
+    TIERS,
+    MemoryTier,
+    PersistentTier,
+    profile_range,
+    tier_index,
+    tier_info,
+)
+from .tiers.device import DeviceTier
 from .tiers.host import result_empty
 
 log = logging.getLogger("tierstore.store")
@@ -78,7 +88,7 @@ class Residency:
     staging: the memory tier whose copies are CPU memory (encoding and decoding happen in its memory).
     where: the store's first directory, named in errors."""
 
-    def __init__(self, tiers: dict[str, Any], *, accelerator: MemoryTier, staging: MemoryTier, workers: int,
+    def __init__(self, tiers: dict[str, Any], *, accelerator: DeviceTier, staging: MemoryTier, workers: int,
                  read_only: bool, where: str):
         if set(tiers) != set(TIERS):
             raise TierstoreValueError(f"tiers {sorted(tiers)} do not match the registry's {TIERS}")
@@ -447,7 +457,7 @@ class Residency:
         pending = list(range(n))
         disk = self._disk_name
         while pending:
-            batch = []  # (i, placement, extent, version at pin, buffer)
+            batch: list[list[Any]] = []  # [i, placement, extent, version at pin, buffer]
             try:
                 with self.lock:
                     for i in pending:
@@ -538,7 +548,7 @@ class Residency:
             with self.lock:
                 if tier in p.copies:
                     p.pins += 1
-                    x = p.copies[tier]
+                    x: torch.Tensor = p.copies[tier]
                     break
         try:
             yield x
@@ -566,7 +576,7 @@ class Residency:
             self.check(p)
             if tier not in p.copies:
                 if tier_info(tier).persistent:
-                    self._write_disk(p, self._memory_copy(p))
+                    self._write_disk(p, p.copies[self._fastest(p)])  # a memory copy: tier is not in p.copies
                 else:
                     if not self._make_room(tier, p.nbytes, exclude=p):
                         raise self._full_error(tier, p)
@@ -624,9 +634,10 @@ class Residency:
             self.check_open()
             fates: list[tuple[Placement, str, BaseException]] = []
             for p in list(self._table.values()):
-                if disk not in p.copies and self._memory_copy(p) is not None:
+                mem = self._memory_copy(p)
+                if disk not in p.copies and mem is not None:
                     try:
-                        self._write_disk(p, self._memory_copy(p))
+                        self._write_disk(p, mem)
                     except TierstoreIOError as e:  # no room reserved: the memory copy still holds it
                         fates.append((p, "kept", e))
             snapshot = [(p, p.copies[disk]) for p in self._table.values() if disk in p.copies]

@@ -42,7 +42,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -135,7 +136,7 @@ class Store:
             raise
 
     @classmethod
-    def open(cls, paths, *, mode: str = "w", **kwargs) -> "Store":
+    def open(cls, paths, *, mode: str = "w", **kwargs) -> Store:
         """Open an existing store (every tensor of its last completed flush). Same directories, same order.
 
         mode: 'w' (default) to read and change it, holding every directory exclusively; 'r' to only read it
@@ -367,7 +368,7 @@ class Store:
                             compressor=compressor, chunk_bytes=chunk_bytes)
 
     @classmethod
-    def import_zarr(cls, path: str | os.PathLike, paths, *, tier: str | None = None, **kwargs) -> "Store":
+    def import_zarr(cls, path: str | os.PathLike, paths, *, tier: str | None = None, **kwargs) -> Store:
         """A new Store at `paths` holding every array of the zarr group at `path` (flushed)."""
         arrays = zarr_io.read_group(path)
         store = cls(paths, **kwargs)
@@ -410,7 +411,7 @@ class Store:
         for fd in fds:
             os.close(fd)  # releases its flock
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -450,11 +451,12 @@ def _make_dir(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        hint = {errno.EROFS: "the filesystem is read-only: open an existing store there with "
-                             "Store.open(paths, mode='r')",
-                errno.EACCES: "give a directory this user can write to",
-                errno.EPERM: "give a directory this user can write to",
-                errno.ENOSPC: "the disk is full: free space or use another disk"}.get(e.errno, "check the path")
+        hints: dict[int | None, str] = {  # by e.errno (None for an OSError raised without one)
+            errno.EROFS: "the filesystem is read-only: open an existing store there with Store.open(paths, mode='r')",
+            errno.EACCES: "give a directory this user can write to",
+            errno.EPERM: "give a directory this user can write to",
+            errno.ENOSPC: "the disk is full: free space or use another disk"}
+        hint = hints.get(e.errno, "check the path")
         raise TierstoreIOError(e.errno or errno.EIO, f"cannot create the store directory {path}: {e.strerror}; "
                                f"{hint}", path) from None
 

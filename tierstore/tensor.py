@@ -8,9 +8,9 @@ tier holds its *encoded* bytes ([Note: codecs] in encoding.py).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -94,7 +94,7 @@ class TieredTensor:
         self._res.check(self._p)
         return self._res.submit(self._prefetch_job, tier)
 
-    def _prefetch_job(self, tier: str) -> "TieredTensor":
+    def _prefetch_job(self, tier: str) -> TieredTensor:
         self._res.bring_to(self._p, tier)
         return self
 
@@ -118,7 +118,7 @@ class TieredTensor:
         self._res.check_writable(f"offload of {self.name!r}")
         return self._res.submit(self._offload_job, tier, keep)
 
-    def _offload_job(self, tier: str, keep: bool) -> "TieredTensor":
+    def _offload_job(self, tier: str, keep: bool) -> TieredTensor:
         self._res.offload(self._p, tier, keep)
         return self
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 

@@ -13,9 +13,9 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Iterator
 
 from .._units import fmt_bytes  # noqa: F401  (re-exported for the benchmarks)
 
@@ -65,7 +65,7 @@ class Samples:
 
 
 def interleave(cases: dict[str, Callable[[], float | None]], rounds: int,
-               progress: "Progress | None" = None) -> dict[str, Samples]:
+               progress: Progress | None = None) -> dict[str, Samples]:
     """Run every case once per round, in the same order each round (A B A B ...).
 
     A case returns its own elapsed seconds (to exclude set-up) or None to be timed whole."""
@@ -86,14 +86,14 @@ class Progress:
     def __init__(self, total: int, description: str):
         self._bar = None
         if sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
-                TimeElapsedColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
 
             self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TimeElapsedColumn(), transient=True)
             self._task = self._bar.add_task(description, total=total)
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self._bar is not None:
             self._bar.start()
         return self
@@ -124,7 +124,7 @@ def print_table(title: str, columns: list[str], rows: Iterable[Iterable], captio
     Console(width=max(100, len(columns) * 19)).print(table)
 
 
-def ratio(a: float, b: float) -> str:
+def ratio(a: float | None, b: float | None) -> str:
     """'1.23x' for a/b (both throughputs, or both 1/time), '-' when either is missing."""
     if a is None or b is None or b != b or a != a or b == 0:
         return "-"

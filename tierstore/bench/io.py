@@ -14,8 +14,10 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 
 from ._common import Progress, fmt_bytes, gib_s, interleave, print_table, ratio, size_arg, write_json
+
 
 def add_arguments(p) -> None:
     p.add_argument("--dir", default="bench-data", help="directory on the disk under test (created)")
@@ -201,7 +203,8 @@ def run(args) -> int:
         s = seq.get(key)
         return gib_s(size, s.median) if s else None
 
-    rows, best = [], {}
+    rows = []
+    best: dict[tuple[str, str], tuple[float, int, int]] = {}  # (op, who) -> (GiB/s, block, queue depth)
     for op in ("write", "read"):
         for bs in bss:
             for qd in qds:
@@ -291,7 +294,8 @@ def small_workload(work: str, count: int, backends: list[str], ds_mod):
     buf = pool.lease()
     src = buf.tensor()
     src.copy_(torch.randint(0, 256, (total,), dtype=torch.uint8))
-    cases, closers = {}, []
+    cases: dict[str, Callable[[], float | None]] = {}
+    closers: list[Callable[[], object]] = []
     for be in backends:
         eng = Engine(backend=be, queue_depth=32)
         eng.register_pool(pool)

@@ -23,8 +23,7 @@ import os
 import shutil
 import tempfile
 
-from ._common import (Progress, drop_page_cache, engine_pass, fmt_bytes, interleave, print_table, size_arg,
-                      write_json)
+from ._common import Progress, drop_page_cache, engine_pass, fmt_bytes, interleave, print_table, size_arg, write_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -175,9 +174,11 @@ def run(args) -> int:
              ">= 0.9x", "ok" if med["ref"] / med["host"] >= 0.9 else "MISS"],
             ["Zero3 nvme tier", f"{med['nvme'] * 1e3:.1f}", f"{med['nvme'] / disk:.2f}x max(read,write,compute)",
              "<= 1.25x", "ok" if med["nvme"] / disk <= 1.25 else "MISS"],
-            ["Zero3 nvme + dynamic8", f"{med['nvme8'] * 1e3:.1f}", f"{med['nvme'] / med['nvme8']:.2f}x faster than nvme",
-             ">= 1.6x", "ok" if med["nvme"] / med["nvme8"] >= 1.6 else "MISS"],
-            ["step compute alone", f"{med['compute'] * 1e3:.1f}", f"{med['compute'] / med['ref']:.2f}x of ref time", "", ""],
+            ["Zero3 nvme + dynamic8", f"{med['nvme8'] * 1e3:.1f}",
+             f"{med['nvme'] / med['nvme8']:.2f}x faster than nvme", ">= 1.6x",
+             "ok" if med["nvme"] / med["nvme8"] >= 1.6 else "MISS"],
+            ["step compute alone", f"{med['compute'] * 1e3:.1f}", f"{med['compute'] / med['ref']:.2f}x of ref time",
+             "", ""],
             [f"raw engine read {fmt_bytes(io_bytes)}", f"{med['read'] * 1e3:.1f}",
              f"{io_bytes / med['read'] / 2**30:.2f} GiB/s", "", ""],
             [f"raw engine write {fmt_bytes(io_bytes)}", f"{med['write'] * 1e3:.1f}",

@@ -24,9 +24,9 @@ from ._common import fmt_bytes, print_table, ratio, size_arg, write_json
 F32, BF16 = torch.float32, torch.bfloat16
 
 
-def gpt2_shapes(d_model: int, layers: int, vocab: int = 50257, context: int = 1024) -> dict:
+def gpt2_shapes(d_model: int, layers: int, vocab: int = 50257, context: int = 1024) -> dict[str, tuple[int, ...]]:
     """GPT-2 (Radford et al. 2019) as HuggingFace names it; Conv1D weights are (in, out); lm_head is tied."""
-    p = {"wte.weight": (vocab, d_model), "wpe.weight": (context, d_model)}
+    p: dict[str, tuple[int, ...]] = {"wte.weight": (vocab, d_model), "wpe.weight": (context, d_model)}
     for i in range(layers):
         for name, shape in (("ln_1.weight", (d_model,)), ("ln_1.bias", (d_model,)),
                             ("attn.c_attn.weight", (d_model, 3 * d_model)), ("attn.c_attn.bias", (3 * d_model,)),
@@ -40,9 +40,10 @@ def gpt2_shapes(d_model: int, layers: int, vocab: int = 50257, context: int = 10
     return p
 
 
-def llama_shapes(d_model: int = 4096, layers: int = 32, ffn: int = 11008, vocab: int = 32000) -> dict:
+def llama_shapes(d_model: int = 4096, layers: int = 32, ffn: int = 11008,
+                 vocab: int = 32000) -> dict[str, tuple[int, ...]]:
     """A Llama-2-7B-style decoder (Touvron et al. 2023) in HuggingFace's parameter order; untied head."""
-    p = {"model.embed_tokens.weight": (vocab, d_model)}
+    p: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, d_model)}
     for i in range(layers):
         for name, shape in (("self_attn.q_proj.weight", (d_model, d_model)),
                             ("self_attn.k_proj.weight", (d_model, d_model)),

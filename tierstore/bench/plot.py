@@ -27,7 +27,7 @@ class Panel:
     hlines: list[tuple[float, str]] = field(default_factory=list)  # (y, label): a budget, a bound
 
 
-def png_path(json_path: str | None, default: str) -> str | None:
+def png_path(json_path: str | None, default: str | None) -> str | None:
     """The PNG next to `json_path` (same name, .png), or `default` when no JSON file is written."""
     if json_path and json_path != "-":
         return os.path.splitext(json_path)[0] + ".png"

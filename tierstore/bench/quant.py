@@ -8,6 +8,7 @@ or, without it, torch's copy_ of the same tensor), and the error: mean abs, max 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "takes OpenMP oversubscription on a loaded machine out of the comparison")
     p.add_argument("--no-torch-reference", action="store_true",
                    help="skip the pure-torch (vectorised, no C) quantizer rows")
+
+
+def _whole(fn: Callable[..., object], *args, **kwargs) -> Callable[[], None]:
+    """A case timed whole (it returns None): fn(*args, **kwargs), the arguments bound now."""
+    def case() -> None:
+        fn(*args, **kwargs)
+    return case
 
 
 def run(args) -> int:
@@ -55,30 +63,27 @@ def run(args) -> int:
     with Progress(total, "quant") as prog:
         for dname, x0 in ({} if args.step_only else data).items():
             for bs in blocks:
-                cases, stats = {}, {}
+                cases: dict[str, Callable[[], float | None]] = {}
+                stats: dict[str, tuple[float, float, float]] = {}
                 out = torch.empty(n)
                 if bnbf is not None:
-                    def bnb_q(x=x0, bs=bs):
-                        return bnbf.quantize_blockwise(x, blocksize=bs)
-                    c, stt = bnb_q()
-                    cases["bnb q"] = lambda f=bnb_q: (f(), None)[1]
-                    cases["bnb dq"] = lambda c=c, s=stt: (bnbf.dequantize_blockwise(c, s), None)[1]
+                    c, stt = bnbf.quantize_blockwise(x0, blocksize=bs)
+                    cases["bnb q"] = _whole(bnbf.quantize_blockwise, x0, blocksize=bs)
+                    cases["bnb dq"] = _whole(bnbf.dequantize_blockwise, c, stt)
                     stats["bnb dyn8"] = err(x0, bnbf.dequantize_blockwise(c, stt))
                 else:
-                    cases["copy"] = lambda x=x0: (out.copy_(x), None)[1]
+                    cases["copy"] = _whole(out.copy_, x0)
                 for s in schemes:
                     x = x0 if SCHEMES[s].signed else x0.abs()  # an unsigned scheme gets |x|
                     q = empty_quantized(n, s, bs)
                     quantize(x, s, bs, out=q)
-                    cases[f"{s} q"] = lambda x=x, s=s, bs=bs, q=q: (quantize(x, s, bs, out=q), None)[1]
-                    cases[f"{s} dq"] = lambda q=q: (dequantize(q, out=out), None)[1]
+                    cases[f"{s} q"] = _whole(quantize, x, s, bs, out=q)
+                    cases[f"{s} dq"] = _whole(dequantize, q, out=out)
                     stats[s] = err(x, dequantize(q))
                     if not args.no_torch_reference and s == "dyn8s" and bs == blocks[0]:
                         qt = empty_quantized(n, s, bs)
-                        cases["dyn8s (torch ref) q"] = lambda x=x, qt=qt, bs=bs: (
-                            quantize(x, "dyn8s", bs, out=qt, backend="torch"), None)[1]
-                        cases["dyn8s (torch ref) dq"] = lambda qt=qt: (
-                            dequantize(qt, out=out, backend="torch"), None)[1]
+                        cases["dyn8s (torch ref) q"] = _whole(quantize, x, "dyn8s", bs, out=qt, backend="torch")
+                        cases["dyn8s (torch ref) dq"] = _whole(dequantize, qt, out=out, backend="torch")
                         quantize(x, "dyn8s", bs, out=qt, backend="torch")
                 prog.describe(f"{dname} block {bs}")
                 res = interleave(cases, args.rounds, prog)
@@ -90,7 +95,7 @@ def run(args) -> int:
                 for name in names:
                     key = name if name != "bnb dyn8" else "bnb"
                     tq, tdq = med.get(f"{key} q"), med.get(f"{key} dq")
-                    if tq is None:
+                    if tq is None or tdq is None:  # (the q and dq cases are added together)
                         continue
                     rt = tq + tdq
                     e = stats[name] if name in stats else stats.get(name.split(" ")[0], (float("nan"),) * 3)
@@ -101,11 +106,11 @@ def run(args) -> int:
                                                  rt_vs_ref=ref_rt / rt, ref=ref_name, mean_abs=e[0], max_abs=e[1],
                                                  rel_rms=e[2]))
     if not args.step_only:
+        ref_what = "bitsandbytes dynamic 8-bit, same block" if bnbf else "2 x torch copy_ (bitsandbytes not installed)"
         print_table(f"block quantizers, {n} fp32 elements (median of {args.rounds} A B A B rounds)",
                     ["data", "block", "scheme", "q ms", "dq ms", "rt GB/s", "rt vs ref", "mean abs", "max abs",
                      "rel RMS"], rows,
-                    caption=f"ref = {'bitsandbytes dynamic 8-bit, same block' if bnbf else '2 x torch copy_ (bitsandbytes not installed)'}; "
-                            "ms are context, the ratio is the result")
+                    caption=f"ref = {ref_what}; ms are context, the ratio is the result")
     if not args.no_step:
         # [Note: fused 8-bit step] (quant/states.py): the fused native step, the reference path it replaces
         # (dequantize -> torch's fused AdamW -> requantize, reused buffers) and torch's fused fp32 AdamW, A B A B

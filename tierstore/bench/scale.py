@@ -86,8 +86,17 @@ def _one(args) -> int:
 
     from .. import zero
     from ._common import parse_size
-    from .gpt import (VOCAB, batches, build_model, bytes_by_tier_and_kind, count_params, dir_bytes, proc_status,
-                      shape_for, stdlib_text)
+    from .gpt import (
+        VOCAB,
+        batches,
+        build_model,
+        bytes_by_tier_and_kind,
+        count_params,
+        dir_bytes,
+        proc_status,
+        shape_for,
+        stdlib_text,
+    )
 
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     n = float(args.sizes)
@@ -103,7 +112,7 @@ def _one(args) -> int:
     opt = zero.Zero3Optimizer(model, torch.optim.AdamW, config=cfg, lr=1e-4)
     build_s = time.perf_counter() - t0
     times, losses = [], []
-    kinds = None
+    kinds: dict[str, dict[str, int]] = {}  # {kind: {tier: bytes}} at the last step
     try:
         for i, (x, y) in enumerate(batches(stdlib_text(1 << 20)[0], args.steps, args.batch, args.context)):
             t0 = time.perf_counter()

@@ -19,8 +19,18 @@ import os
 import shutil
 import tempfile
 
-from ._common import (Progress, drop_page_cache, engine_pass, fmt_bytes, gib_s, interleave, print_table, ratio,
-                      size_arg, write_json)
+from ._common import (
+    Progress,
+    drop_page_cache,
+    engine_pass,
+    fmt_bytes,
+    gib_s,
+    interleave,
+    print_table,
+    ratio,
+    size_arg,
+    write_json,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -201,18 +211,16 @@ def run(args) -> int:
         shutil.rmtree(root, ignore_errors=True)
     rows = []
     for name, r in results.items():
-        s, b = r["samples"], r["bytes"]
-
-        def thr(case):
-            return gib_s(b, s[case].median)
+        b = r["bytes"]
+        thr = {case: gib_s(b, smp.median) for case, smp in r["samples"].items()}  # GiB/s
         label = f"({'a' if name == 'small' else 'b'}) {r['tensors']} x ~{fmt_bytes(b / r['tensors'])}"
         cols = [("store put+flush", "engine write+fsync", "torch.save+fsync", "torch.save per file+fsync", "write"),
                 ("store get (out=)", "engine read", "torch.load", "torch.load per file", "read into out="),
                 ("store get", "engine read", "torch.load", "torch.load per file", "read, fresh tensors")]
         for case, eng_case, one, per, what in cols:
-            rows.append([f"{label} {what}", f"{thr(case):.2f}", f"{thr(eng_case):.2f}", f"{thr(one):.2f}",
-                         f"{thr(per):.2f}", ratio(thr(case), thr(eng_case)), ratio(thr(case), thr(one)),
-                         ratio(thr(case), thr(per))])
+            rows.append([f"{label} {what}", f"{thr[case]:.2f}", f"{thr[eng_case]:.2f}", f"{thr[one]:.2f}",
+                         f"{thr[per]:.2f}", ratio(thr[case], thr[eng_case]), ratio(thr[case], thr[one]),
+                         ratio(thr[case], thr[per])])
     print_table("Store vs raw engine vs torch.save/torch.load (GiB/s, medians of interleaved rounds)",
                 ["workload", "store", "engine", "torch 1 file", "torch file/tensor", "store/engine",
                  "store/torch 1 file", "store/torch file/tensor"], rows,

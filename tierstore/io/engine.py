@@ -22,6 +22,7 @@ import itertools
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -436,7 +437,7 @@ class Engine:
             self._owned.append(f)
         return f
 
-    def open_striped(self, dirs: list[str | os.PathLike], name: str, mode: str = "c", *,
+    def open_striped(self, dirs: Sequence[str | os.PathLike], name: str, mode: str = "c", *,
                      stripe_unit: int = 1 << 20, direct: bool | None = None) -> StripedFile:
         """One logical file striped RAID-0 over `dirs` (one per drive), `stripe_unit` bytes per stripe."""
         self._check_open()

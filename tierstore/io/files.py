@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import threading
+from collections.abc import Sequence
 
 from ..errors import TierstoreValueError, io_error
 
@@ -118,7 +119,7 @@ class StripedFile:
     Logical stripe k lives in directory k % n at physical offset (k // n) * stripe_unit.
     """
 
-    def __init__(self, dirs: list[str | os.PathLike], name: str, mode: str = "c", *,
+    def __init__(self, dirs: Sequence[str | os.PathLike], name: str, mode: str = "c", *,
                  stripe_unit: int = 1 << 20, direct: bool = True):
         if not dirs:
             raise TierstoreValueError("a striped file needs at least one directory")

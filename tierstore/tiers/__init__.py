@@ -4,8 +4,21 @@ Each tier is a small object that owns its memory (or files), its byte budget and
 which tensor lives where is decided one layer up (residency.py). The tiers are listed once, with their
 capabilities, in `REGISTRY` (base.py); `MemoryTier` and `PersistentTier` are the contracts a tier class keeps.
 """
-from .base import (MEMORY_TIERS, PERSISTENT_TIERS, REGISTRY, TIERS, Budget, MemoryTier, PersistentTier, Tier,
-                   TierInfo, TierStats, profile_range, tier_index, tier_info)
+from .base import (
+    MEMORY_TIERS,
+    PERSISTENT_TIERS,
+    REGISTRY,
+    TIERS,
+    Budget,
+    MemoryTier,
+    PersistentTier,
+    Tier,
+    TierInfo,
+    TierStats,
+    profile_range,
+    tier_index,
+    tier_info,
+)
 from .device import DeviceTier, default_device
 from .host import HostTier
 from .nvme import Extent, ExtentAllocator, NvmeTier

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch._C._autograd import _profiler_enabled
 
 from ..errors import TierstoreValueError
-
 
 
 @dataclass(frozen=True)

@@ -55,8 +55,8 @@ def fp32_twin(p: Plan) -> Plan:
 class Layout:
     """Every parameter of a model, by group, in buckets sharded over ranks."""
 
-    def __init__(self, named: list[tuple[str, torch.Size, torch.dtype, bool]], groups: list[tuple[list[str], dict]],
-                 world_size: int, *, min_io_bytes: int, bucket_bytes: int):
+    def __init__(self, named: list[tuple[str, tuple[int, ...], torch.dtype, bool]],
+                 groups: list[tuple[list[str], dict]], world_size: int, *, min_io_bytes: int, bucket_bytes: int):
         """named: (name, shape, dtype, requires_grad) in model order, tied parameters once.
         groups: (names, options) per optimizer group; trainable parameters not named go to the first group."""
         self.world_size = world_size

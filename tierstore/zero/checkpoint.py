@@ -90,6 +90,7 @@ import shutil
 import struct
 import sys
 import uuid
+from typing import Any, NoReturn, TypeGuard
 
 import crc32c
 import torch
@@ -97,8 +98,8 @@ import torch
 from ..errors import CorruptionError, TierstoreError, TierstoreIOError, TierstoreValueError, advice
 from ..io.checksum import crc_at, memory_at
 from ..io.files import fsync_dir
-from ..partition import Plan, reshard_copies
 from ..manifest import STORED_DTYPES
+from ..partition import Plan, reshard_copies
 from . import _dist, keys
 from ._layout import fp32_twin
 
@@ -151,16 +152,19 @@ class _RecordWriter:
             raise TierstoreValueError("checkpoints are written little-endian; this machine is big-endian")
         self.path = path
         self.tmp = path + ".tmp"
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
+                                      0o644)  # None once finished or aborted
         self.records: dict[str, dict] = {}
         self.aux: dict[str, dict] = {}
         self.at = 0  # bytes written
         self._write(memoryview(MAGIC))
 
     def _write(self, mv: memoryview) -> None:
+        fd = self.fd
+        assert fd is not None  # written only before finish() or abort()
         done = 0
         while done < len(mv):
-            done += os.write(self.fd, mv[done:])
+            done += os.write(fd, mv[done:])
         self.at += len(mv)
 
     def tensor(self, name: str, t: torch.Tensor) -> None:
@@ -195,10 +199,12 @@ class _RecordWriter:
         offset = self.at
         self._write(memoryview(index))
         self._write(memoryview(FOOTER.pack(offset, len(index), crc, FOOTER_MAGIC)))
-        os.fsync(self.fd)
+        fd = self.fd
+        assert fd is not None  # _write() above checked it
+        os.fsync(fd)
         if hasattr(os, "posix_fadvise"):  # written and durable: leave the page cache to the run
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(self.fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
         self.fd = None
         os.replace(self.tmp, self.path)
         fsync_dir(os.path.dirname(self.path))
@@ -371,14 +377,18 @@ def _jsonable(groups: list[dict]) -> list[dict]:
     return out
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return type(v) is int  # bool is not a count, offset or size
+
+
+def _corrupt(path: str, field: str, what: str) -> NoReturn:
+    raise CorruptionError(f"checkpoint file field {field}: {what}; the file is damaged or was not written "
+                          "by tierstore: load an older checkpoint", path)
 
 
 def _check(ok: bool, path: str, field: str, what: str) -> None:
     if not ok:
-        raise CorruptionError(f"checkpoint file field {field}: {what}; the file is damaged or was not written "
-                              "by tierstore: load an older checkpoint", path)
+        _corrupt(path, field, what)
 
 
 def _checkpoint_name(directory: str) -> str:
@@ -454,7 +464,8 @@ def read_meta(directory: str | os.PathLike) -> tuple[str, dict]:
 def _check_body(body: dict, path: str) -> None:
     """Every field of meta.json's body that a load or consolidate uses, before anything is read or made."""
     world = body.get("world_size")
-    _check(_is_int(world) and world >= 1, path, "world_size", f"{world!r} is not a positive integer")
+    if not (_is_int(world) and world >= 1):  # narrows world to int below
+        _corrupt(path, "world_size", f"{world!r} is not a positive integer")
     try:
         src = _source_layout(body)
     except (TierstoreValueError, KeyError, TypeError, AttributeError, ValueError) as e:
@@ -483,8 +494,8 @@ def _check_body(body: dict, path: str) -> None:
            "aliases", "not a map of names to parameters of the layout")
     files = body.get("files")
     want = {f"rank{r:05d}.bin" for r in range(world)} | {"buffers.bin"} if world <= 1 << 20 else set()
-    _check(isinstance(files, dict) and set(files) == want, path, "files",
-           f"does not list rank00000.bin ... rank{world - 1:05d}.bin and buffers.bin")
+    if not (isinstance(files, dict) and set(files) == want):  # narrows files to dict below
+        _corrupt(path, "files", f"does not list rank00000.bin ... rank{world - 1:05d}.bin and buffers.bin")
     for f, w in files.items():
         _check(isinstance(w, dict) and _is_int(w.get("nbytes")) and w["nbytes"] >= 0
                and _is_int(w.get("index_crc32c")) and 0 <= w["index_crc32c"] < 1 << 32, path, f"files[{f!r}]",
@@ -561,7 +572,7 @@ class _RecordFile:
 
     def __init__(self, path: str, want: dict | None, version: int = VERSION):
         self.path = path
-        self.fd = None
+        self.fd: int | None = None  # None once closed
         if want is None:
             raise CorruptionError("checkpoint file is not listed in meta.json", path)
         try:
@@ -590,7 +601,7 @@ class _RecordFile:
             self._check_index(index, version, at)
             self.version = version
             self.records: dict[str, dict] = index["records"]
-            self.aux: dict[str, object] = index["aux"]
+            self.aux: dict[str, Any] = index["aux"]  # JSON, checked by _check_index
         except BaseException:
             os.close(self.fd)
             self.fd = None
@@ -630,6 +641,7 @@ class _RecordFile:
             _check(a + an <= b, p, f"records[{bname!r}].offset", f"record overlaps {aname!r}")
 
     def _pread(self, offset: int, n: int) -> bytes:
+        assert self.fd is not None  # read only while open
         data = os.pread(self.fd, n, offset)
         if len(data) != n:
             raise CorruptionError(f"checkpoint file ends early ({len(data)} of {n} bytes)", self.path, offset, n)
@@ -651,7 +663,8 @@ class _RecordFile:
                                   f"says {numel} elements", self.path, r["offset"], r["nbytes"])
         at, n = r["offset"], r["nbytes"]
         buf = torch.empty(n, dtype=torch.uint8)
-        view = buf.numpy()
+        view = buf.numpy().data  # a writable memoryview of buf
+        assert self.fd is not None  # read only while open
         done = 0
         while done < n:
             got = os.preadv(self.fd, [view[done:]], at + done)
@@ -740,10 +753,10 @@ def _source_layout(body: dict) -> list[tuple[int, Plan, list[int]]]:
 
 
 def _assemble(ck: _Checkpoint, src: Plan, dst: Plan, s_gids: list[int], rank: int, roles: list[str],
-              dtype: torch.dtype, device, has=None, fill=None):
+              dtype: torch.dtype, device, has: dict[int, list[str]] | None = None, fill=None):
     """Yield (destination bucket, {role: this rank's shard}, [source buckets it draws on, in order]) one bucket
     at a time, each shard built from the source records ``<src gid>.<role>`` of every source rank it overlaps.
-    has(source bucket) -> the roles that source has records for (default: all); a role none of the sources
+    has[source bucket] -> the roles that source has records for (default: all); a role none of the sources
     of the destination bucket (on any rank, so every rank of it agrees) holds is left out of its dict, and
     elements of a role from a source without it are fill[role] (default 0). See [Note: streaming save and
     load]."""
@@ -758,11 +771,11 @@ def _assemble(ck: _Checkpoint, src: Plan, dst: Plan, s_gids: list[int], rank: in
     for b in dst.buckets:
         copies = by_dst.get(b.index, [])
         srcs = srcs_of.get(b.index, [])
-        present = {r for sb in srcs for r in (has(sb) if has else roles)}
+        present = {r for sb in srcs for r in (has[sb] if has is not None else roles)}
         out = {role: torch.full((b.shard_numel,), fill.get(role, 0.0), dtype=dtype, device=device)
                for role in roles if role in present}
         for c in copies:
-            for role in (has(c.src_bucket) if has else roles):
+            for role in (has[c.src_bucket] if has is not None else roles):
                 if role in out:
                     s = ck.record(c.src_rank, s_gids[c.src_bucket], role, src.buckets[c.src_bucket].shard_numel)
                     out[role][c.dst_offset:c.dst_offset + c.numel].copy_(
@@ -797,8 +810,9 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
     _check_hyperparams(opt.param_groups, body["param_groups"], meta)
     bfile = ck.file("buffers.bin")
     for n, b in opt.model.named_buffers():
-        if n in bfile.records and bfile.shape(n) != tuple(b.shape):
-            raise TierstoreValueError(f"buffer {n!r} has shape {list(bfile.shape(n))} in {bfile.path} and "
+        shape = bfile.shape(n)  # None: the checkpoint has no such buffer
+        if shape is not None and shape != tuple(b.shape):
+            raise TierstoreValueError(f"buffer {n!r} has shape {list(shape)} in {bfile.path} and "
                                       f"{list(b.shape)} in the model; build the same model")
     first = ck.rank(0)
     aux = {sg: first.aux_of(sg) for s_index, _p, s_gids in src if s_index >= 0 for sg in s_gids}
@@ -830,7 +844,7 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
         roles = ["master"] + [f"state.{k}" for k in all_keys]
         for b, shards, srcs in _assemble(
                 ck, fp32_twin(s_plan), fp32_twin(gl.plan), s_gids, me, roles, torch.float32, "cpu",
-                has=lambda sb: ["master"] + [f"state.{k}" for k in per_element[sb]],
+                has={sb: ["master"] + [f"state.{k}" for k in ks] for sb, ks in per_element.items()},
                 fill={f"state.{k}": fresh.get(k, 0.0) for k in all_keys}):
             st = {k: shards[f"state.{k}"] for k in all_keys if f"state.{k}" in shards}
             stepped = [sb for sb in srcs if per_element[sb] or scalars[sb] or aux[s_gids[sb]]]
@@ -887,8 +901,8 @@ def consolidate(directory: str | os.PathLike, *, dtype: torch.dtype | None = Non
                 buckets.append(full.to(plan.buckets[b].dtype) if index < 0 else full)
             if index >= 0:
                 plan = fp32_twin(plan)
-            for n, t in plan.unflatten(buckets).items():
-                values[n] = t.to(dtype or cdt)
+            for name, t in plan.unflatten(buckets).items():
+                values[name] = t.to(dtype or cdt)
         out = {alias: values[canon] for alias, canon in body["aliases"].items()}
         out.update(ck.buffers())
         return out

@@ -56,8 +56,8 @@ zero_grad(). The optimizer's step skips the others (see [Note: skipped parameter
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -174,7 +174,7 @@ class ParamCoordinator:
             if type(m).forward is torch.nn.Linear.forward and "forward" not in m.__dict__:
                 m.forward = types.MethodType(_linear_keeping_params, m)  # [Note: linear keeps its parameters]
                 self._handles.append(_InstanceForward(m))
-        for n, p in self.params.items():
+        for _n, p in self.params.items():
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_done))
 
@@ -335,7 +335,7 @@ class ParamCoordinator:
         if self.events:
             self.events.emit("backward_begin", len(self.schedule.entries))
 
-    def _pre_backward(self, hook: "_BackwardGather") -> None:
+    def _pre_backward(self, hook: _BackwardGather) -> None:
         self._begin_backward()
         if hook.serial == self.schedule.serial and not hook.late:
             self._advance_to(hook.index)
@@ -381,11 +381,12 @@ class ParamCoordinator:
                 self.reducer.reduce(gid)
                 self.eager_reductions += 1
 
-    def _after_backward(self, token: "_AfterBackward") -> None:
+    def _after_backward(self, token: _AfterBackward) -> None:
         """A hooked forward call's backward is over (the gradients of its inputs are complete). See
         [Note: releasing frozen buckets in backward]."""
-        if self.schedule.current(token.serial, token.index):
-            self.residency.call_backward_done(self.schedule.entries[token.index].gids)
+        index = token.index  # None until the post-hook filled it in
+        if index is not None and self.schedule.current(token.serial, index):
+            self.residency.call_backward_done(self.schedule.entries[index].gids)
 
     def _backward_end(self) -> None:
         try:

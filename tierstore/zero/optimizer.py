@@ -164,7 +164,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         groups = self._normalise_groups(param_groups, by_id)
         self.layout = Layout([(n, shapes[n], cdt, p.requires_grad) for n, p in self._params.items()], groups,
                              self.world_size, min_io_bytes=config.min_io_bytes, bucket_bytes=config.sub_group_bytes)
-        for n, b in model.named_buffers():
+        for _n, b in model.named_buffers():
             if b.is_floating_point() and b.dtype != cdt:
                 b.data = b.data.to(cdt)
         # -- the store --------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
             intra_node_size=config.intra_node_size, prefetch_depth=config.prefetch_depth)
         for gid in range(len(self.layout.subgroups)):
             self.coordinator.release(gid)
-        for name, p in self._params.items():
+        for _name, p in self._params.items():
             p.data = self.coordinator.empty(cdt)
             if hasattr(p, "_tierstore_init"):
                 p._tierstore_init.discard()
@@ -589,7 +589,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self.coordinator.remove()
         self._stepper.close()
         self.store.close(flush=False)
-        self.store = None
+        self.store = None  # type: ignore[assignment]  # None marks it closed; a Store for as long as it is open
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 

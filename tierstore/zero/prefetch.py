@@ -36,8 +36,9 @@ per module); the forward's end releases it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -48,7 +49,7 @@ log = logging.getLogger("tierstore.zero")
 
 class Staged(NamedTuple):
     tensor: torch.Tensor  # the shard on the compute device (once `event` completed)
-    event: object = None  # torch.Event recorded after the copy on the side stream; None: nothing to wait for
+    event: torch.Event | None = None  # recorded after the copy on the side stream; None: nothing to wait for
     source: torch.Tensor | None = None  # the host shard, alive until the copy finished
 
 
@@ -186,11 +187,12 @@ class Prefetcher:
         """`upcoming`: the gids of each of the next `span` modules (or entries), nearest first. Reads the
         shards of the far ones and posts the all-gathers of the near ones (world size N), or reads them all.
         Only from the main thread, at points every rank reaches in the same order."""
-        if self._executor is None:
+        executor = self._executor
+        if executor is None:
             return
         d = self.depth
         for gids in upcoming[d:] if self.gathers_ahead_on else upcoming:
-            self._read_ahead(gids)
+            self._read_ahead(executor, gids)
         if self.gathers_ahead_on:
             for gids in upcoming[:d]:
                 self._gather_ahead_of(gids)
@@ -249,7 +251,7 @@ class Prefetcher:
             self.gathers_ahead += 1
             self.most_ahead = max(self.most_ahead, len(self._pending))
 
-    def _read_ahead(self, gids) -> None:
+    def _read_ahead(self, executor: ThreadPoolExecutor, gids) -> None:
         for gid in gids:
             if not self.held(gid) and gid not in self._pending and gid not in self._prefetched:
-                self._prefetched[gid] = self._executor.submit(self._read_and_stage, gid)
+                self._prefetched[gid] = executor.submit(self._read_and_stage, gid)

@@ -112,9 +112,9 @@ class SkippedParams:
     def restore(kept: list, master: torch.Tensor, new_state: dict) -> None:
         """After the inner step: put back what `keep` took."""
         for k, a, e, values in kept:
-            dst = master if k is None else new_state.get(k)
             if isinstance(values, float):  # a state created by this step: its fresh value
+                dst = master if k is None else new_state.get(k)
                 if isinstance(dst, torch.Tensor) and dst.dim() == 1 and dst.numel() == master.numel():
                     dst[a:e].fill_(values)
-            else:
-                dst[a:e].copy_(values)
+            else:  # a per-element state the step had (or the master)
+                (master if k is None else new_state[k])[a:e].copy_(values)

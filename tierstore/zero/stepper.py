@@ -182,7 +182,7 @@ class SubgroupStepper:
                     disk.append((role, name))
             if disk:
                 outs = []
-                for role, name in disk:
+                for _role, name in disk:
                     t = self.store.tensor(name)
                     outs.append(self.buffers.take(math.prod(t.shape), t.dtype).view(t.shape))
                 read = self.store.get_many([n for _r, n in disk], out=outs)
@@ -260,6 +260,7 @@ class SubgroupStepper:
         gid, got, resident = t.gid, t.tensors, t.resident
         try:
             master = t.master_out
+            assert master is not None  # step_loaded() fills it before save()
             if "master" not in resident or master.data_ptr() != got["master"].data_ptr():
                 self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
             pname = keys.param(gid)

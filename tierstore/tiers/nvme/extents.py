@@ -48,7 +48,7 @@ class Extent:
                 "crc32c": self.crc}
 
     @classmethod
-    def from_json(cls, d, path: str | None = None, field: str = "extent") -> "Extent":
+    def from_json(cls, d, path: str | None = None, field: str = "extent") -> Extent:
         """The extent a manifest entry describes, its fields checked (types, ranges, alignment; whether it lies
         inside the extent files is ExtentSpace.check's). CorruptionError names `path` and `field`."""
         def bad(what: str) -> CorruptionError:
@@ -183,7 +183,7 @@ class ExtentSpace:
     def _release_when_written(self, e: Extent) -> None:
         w = e.written
         if w is not None and not w.done():
-            w.add_done_callback(lambda _f, e=e: self._late.append(e))  # freed at the next allocation
+            w.add_done_callback(lambda _f: self._late.append(e))  # freed at the next allocation
         else:
             self.release(e.file, e.offset, e.alloc)
 

@@ -91,7 +91,9 @@ class ExtentReader:
         """See NvmeTier.read_many and [Note: how reads are issued]."""
         errors: list[BaseException | None] = [None] * len(items)
         bb = self.pool.buffer_bytes
-        small, big, began = [], [], []
+        small: list[int] = []  # indices into items
+        big: list[int] = []
+        began: list[Extent] = []
         for i, (e, out, what) in enumerate(items):
             if e.length == 0:
                 continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import threading
 import time
@@ -234,19 +235,22 @@ class ExtentWriter:
         bb = self.pool.buffer_bytes
         chunks = (alen + bb - 1) // bb
         fut: Future = Future()
-        state = {"left": chunks, "err": None}
+        left = chunks  # chunk writes not yet finished (or never to be submitted)
+        err: BaseException | None = None  # the first one's error
         lock = threading.Lock()
 
         def chunk_done(io_fut: Future, buf: Buffer) -> None:
+            nonlocal left, err
             buf.release()
             with lock:
-                if io_fut.exception() is not None and state["err"] is None:
-                    state["err"] = io_fut.exception()
-                state["left"] -= 1
-                last = state["left"] == 0
+                if io_fut.exception() is not None and err is None:
+                    err = io_fut.exception()
+                left -= 1
+                last = left == 0
+                failed = err
             if last:
-                if state["err"] is not None:
-                    fut.set_exception(state["err"])
+                if failed is not None:
+                    fut.set_exception(failed)
                 else:
                     fut.set_result(n)
 
@@ -263,13 +267,14 @@ class ExtentWriter:
             except BaseException as e:
                 buf.release()
                 with lock:
-                    state["err"] = state["err"] or e
-                    state["left"] -= chunks - i  # this chunk and the ones never submitted
-                    last = state["left"] == 0
+                    err = err or e
+                    left -= chunks - i  # this chunk and the ones never submitted
+                    last = left == 0
+                    failed = err
                 if last:
-                    fut.set_exception(state["err"])
+                    fut.set_exception(failed)
                 break
-            io.add_done_callback(lambda io_fut, buf=buf: chunk_done(io_fut, buf))
+            io.add_done_callback(functools.partial(chunk_done, buf=buf))
         return Extent(f, off, n, alen, crc, fut)
 
     # -- buffers and completion ------------------------------------------------------------------------
