@@ -130,8 +130,7 @@ class BufferPool:
                 "keeps the disk busy)")
         # [Note: huge pages] The mapping starts on a 2 MiB boundary and asks for transparent huge pages
         # before its first touch: an O_DIRECT request then pins a few huge pages instead of 256 small ones
-        # per MiB. On the 2-core development VM this took 1 MiB O_DIRECT writes from ~1.1 to ~1.8 GiB/s
-        # (same run, A B A B). Best effort: where THP is off, the pool works on small pages.
+        # per MiB, which costs less CPU per request. Best effort: where THP is off, the pool works on small pages.
         try:
             self._mm = mmap.mmap(-1, self.nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except OSError as e:  # ENOMEM: the address space or the overcommit policy refuses it

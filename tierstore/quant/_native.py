@@ -13,7 +13,7 @@ from ..errors import TierstoreValueError
 from .layout import DTYPES
 from .schemes import Scheme, fused_adamw_pair, get
 
-#: tensors smaller than this run on one thread (starting threads costs ~20 us)
+#: tensors smaller than this run on one thread (starting threads would cost more than it saves)
 THREAD_MIN_NUMEL = 1 << 16  # elements
 
 

@@ -43,8 +43,7 @@ moment rounded to 0 gives a zero update, which is harmless.
 Never sending v > 0 to code 0 is not enough. The map is coarse in its low decades: the step just above a
 decade's smallest code is 1.5-5.5x relative (e.g. 1e-7 -> 5.5e-7 at the bottom), so nearest rounding can
 under-estimate a small v by ~2x, 8-bit EMA rounding then keeps it there (beta2 = 0.999 moves v by 0.1% a
-step, far less than half a gap), and m / sqrt(v) is inflated by ~1.4x: with gradient scales varying 1e4x
-inside a block, 15 of 65536 elements moved up to 1.34x lr x steps in 20 steps (fp32 AdamW: 0.83x).
+step, far less than half a gap), and m / sqrt(v) is inflated by ~1.4x.
 The scheme ``dyn8v`` (rounding="bounded", used for exp_avg_sq) rounds to nearest except that it never
 under-estimates by more than a factor 1 + DELTA, DELTA = 9/256: the code boundary between codes c and c + 1
 is min(midpoint, value(c) x (1 + DELTA)) instead of the midpoint, so
@@ -54,8 +53,7 @@ is min(midpoint, value(c) x (1 + DELTA)) instead of the midpoint, so
 and quantization can inflate no Adam step by more than sqrt(1 + DELTA) = 1.0174. DELTA = 9/256 is exactly
 the worst relative under-estimate nearest rounding makes in the top decade (half a gap, 0.9/256, at 0.1):
 the top decade keeps plain nearest rounding and the absolute bound of ``dyn8u``; only the coarse low
-decades round upward. Pure rounding up (DELTA = 0) was measured too: it biases every v upward, which
-shrinks every step: iid-gradient drift 0.029 (target 0.02) against 0.0164 here and 0.0164 for nearest.
+decades round upward. Pure rounding up (DELTA = 0) would bias every v upward and so shrink every step.
 Code 0 is still reached only by v == 0 (its boundary is min(mid, 0 x (1 + DELTA)) = 0).
 
 [Note: two-level LUT]

@@ -8,8 +8,8 @@ blockwise.py / dynamic.py gives the same bytes; tests hold the two equal and gol
 
 [Note: out= buffers]
 Hot loops (an optimizer step, a collective) allocate nothing: ``quantize(x, out=q)`` writes into the codes
-and absmax of an existing Quantized, ``dequantize(q, out=t)`` into an existing tensor. Dequantizing into a
-fresh 64 MB tensor costs ~10x more than into a reused one here (page faults; research/quant.md).
+and absmax of an existing Quantized, ``dequantize(q, out=t)`` into an existing tensor: writing into fresh
+memory pays a page fault per page, which costs more than the dequantization itself.
 """
 from __future__ import annotations
 

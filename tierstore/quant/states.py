@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 STATE_SCHEMES = {"exp_avg": "dyn8s", "exp_avg_sq": "dyn8v"}
 MIN_QUANT_NUMEL = 4096  # elements
 # elements per pass of the 8-bit step (16 MiB of fp32 per state buffer). Large on purpose: each pass calls
-# torch's fused AdamW once, whose OpenMP fork/join costs up to ~12 ms on a loaded 2-core machine (measured).
+# torch's fused AdamW once, and each call pays an OpenMP fork/join, dear on a loaded machine.
 DEFAULT_CHUNK = 1 << 22
 
 

@@ -55,8 +55,8 @@ def profile_range(name: str):
     """`torch.profiler.record_function(name)` while a torch profiler runs, else a no-op.
 
     [Note: profiler ranges cost nothing when nobody profiles]
-    Entering a record_function dispatches two torch ops (~10 us); put() of 10,000 small tensors paid
-    that on every call. The ranges still appear in every trace: the check is the profiler's own state."""
+    Entering a record_function dispatches two torch ops, a cost every small put() would pay. The ranges
+    still appear in every trace: the check is the profiler's own state."""
     return torch.profiler.record_function(name) if _profiler_enabled() else _NO_RANGE
 
 

@@ -14,16 +14,15 @@ A parameter split over several buckets is assembled into a tensor of its own onc
 
 [Note: releasing frozen buckets in backward]
 A bucket of trainable parameters is released in backward once all of them received their gradient; a bucket
-of frozen parameters (a frozen base model under adapters) has no such signal, and used to stay until the end
-of backward -- the whole frozen model gathered by then. So a hooked forward call that holds a frozen bucket
+of frozen parameters (a frozen base model under adapters) has no such signal and would stay until the end of
+backward -- the whole frozen model gathered by then. So a hooked forward call that holds a frozen bucket
 puts one multi-grad hook (torch.autograd.graph.register_multi_grad_hook) on its tensor inputs that require
-grad: it runs when their gradients are complete, that is after every node that consumed them -- the call's
-own backward among them -- ran, and it tells the coordinator that the call's backward is over. (An identity
-autograd Function on the inputs did the same, but broke modules that modify an input in place.) Each frozen bucket
-counts the entries still to finish; at zero, and with no forward running that uses it, it is released
-(locally: the protocol view of [Note: backward gathers] is unchanged, so no rank's collectives change).
-A call none of whose inputs requires grad (the first layer) gives no signal: its frozen buckets go at the
-end of backward, as before.
+grad: it runs when their gradients are complete, after every node that consumed them -- the call's own
+backward among them -- and tells the coordinator that the call's backward is over. (Not an identity autograd
+Function on the inputs: that breaks modules that modify an input in place.) Each frozen bucket counts the
+entries still to finish; at zero, and with no forward running that uses it, it is released locally (the
+protocol view of [Note: backward gathers] is unchanged, so no rank's collectives change). A call none of
+whose inputs requires grad (the first layer) gives no signal: its frozen buckets go at the end of backward.
 """
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ parameters ([Note: releasing frozen buckets in backward] in bucket_residency.py)
 [Note: linear keeps its parameters]
 nn.Linear's forward (F.linear -> addmm / matmul on ``weight.t()``) makes autograd save a transposed *view*
 of the weight for backward: a view of the gathered bucket, which keeps the bucket's storage alive until
-backward however early the hooks release it. On a stack of Linear layers that is the whole model held at
-the end of forward (measured: 60 of 64 MiB), which is what ZeRO-3 exists to avoid. So the coordinator
+backward however early the hooks release it. On a stack of Linear layers that is nearly the whole model
+held at the end of forward, which is what ZeRO-3 exists to avoid. So the coordinator
 points the forward of every hooked module whose class uses nn.Linear's own forward (nn.Linear, TiledLinear's
 tiles, subclasses that do not override forward) at ``_LinearKeepingParams``: F.linear inside an autograd
 Function that saves the input and the Parameter objects themselves -- not their data -- and computes the

@@ -219,8 +219,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         # -- the step's parts: buffers, 8-bit states, skipped parameters, the sub-group stepper ------------
         buffers = BufferPool(self.device, 2 * config.pipeline_depth)
         # threads of the (de)quantization kernels on the pipeline's helper threads: None = the kernel's own
-        # default (all cores). One thread each was tried (to leave the compute its cores): 8-bit steps were
-        # 10-25% slower on the 2-core development machine, so the default stays.
+        # default (all cores). One thread each, to leave the compute its cores, made 8-bit steps slower
+        # (bench/README.md, "Why the code is as it is").
         self._states8 = EightBitStates(self.store, config.optimizer_states, policy, buffers, nthreads=None)
         self._skipped = SkippedParams(self.layout, self.rank, optimizer_class, self.optimizer_kwargs,
                                       self.inner.param_groups, self._templates, self.device)

@@ -3,21 +3,19 @@ of a stepped sub-group it puts back, and what a state created by the step holds 
 
 [Note: skipped parameters]
 Like torch, a trainable parameter that got no gradient on any rank since zero_grad() is not stepped
-(coordinator.grad_names, [Note: no gradient] in hooks.py). A sub-group (one bucket) none of whose
-parameters got one is left out of the step. In a sub-group mixing both, the inner optimizer steps the
-whole flat shard (zero gradient on the skipped elements), then the skipped elements of the master and of
-every per-element state that existed before the step are put back: an elementwise update touches each
-element on its own, so the rest is exactly what stepping only them gives. In a per-element state created
-by this very step, the skipped elements get what one zero-gradient step makes of a fresh state on a zero
-parameter (SkippedParams.fresh_state: 0 for Adam's moments and SGD's momentum, lr for Rprop's step size), not what
-weight decay folded into their zero gradient would make of it; torch creates such a state at the
-parameter's first real step instead -- the same values, except that SGD then starts that momentum at
-(1 - dampening) x grad where torch starts it at grad (equal unless dampening != 0). Scalar states
-(`step`, NAdam's mu_product, ASGD's eta and mu) stay per sub-group: a parameter skipped while the rest
-of its sub-group stepped gets its bias corrections from the sub-group's count, not from a count of its
-own as in torch (exact when it has a sub-group to itself, e.g. min_io_bytes=0). With 8-bit states such
-a sub-group takes the unfused path, and requantizing moves the skipped elements' states by the codec's
-rounding.
+(coordinator.grad_names, [Note: no gradient] in hooks.py); a sub-group none of whose parameters got one is
+left out of the step. A sub-group mixing both is stepped whole (zero gradient on the skipped elements), then
+the skipped elements of the master and of every per-element state that existed before the step are put
+back: the update is elementwise, so the rest is exactly what stepping only them gives. A per-element state
+created by this very step gets, on the skipped elements, what one zero-gradient step makes of a fresh state
+on a zero parameter (SkippedParams.fresh_state: 0 for Adam's moments and SGD's momentum, lr for Rprop's
+step size; not what weight decay folded into their zero gradient would make) -- the values torch creates at
+the parameter's first real step, except that SGD then starts that momentum at (1 - dampening) x grad where
+torch starts it at grad. Scalar states (`step`, NAdam's mu_product, ASGD's eta and mu) stay per sub-group:
+a parameter skipped while the rest of its sub-group stepped takes its bias corrections from the sub-group's
+count, not its own as in torch (exact when it has a sub-group to itself, e.g. min_io_bytes=0). With 8-bit
+states such a sub-group takes the unfused path, and requantizing moves the skipped elements' states by the
+codec's rounding.
 """
 from __future__ import annotations
 

@@ -11,16 +11,14 @@ the store moves 1/4 of the bytes and no codec copies. Checkpoints and state_dict
 
 [Note: fused 8-bit step in ZeRO-3]
 With AdamW over 8-bit states on nvme, unpacking exp_avg / exp_avg_sq to fp32 on the reader thread,
-stepping, and packing them again on the writer thread costs about 11.7 ms of CPU per 2M-element sub-group
-on the development machine, more than twice the fused native kernel of quant.states ([Note: fused 8-bit
-step] there: decode, update, encode per block of 256 in one pass), 5.1 ms (`tierstore bench quant
---numel 2097152 --blocks 256 --schemes dyn8s,dyn8v --no-torch-reference`: "reference path" vs "fused
-kernel"). So, when the inner optimizer is AdamW in a form that kernel computes (see fused8_capable) and a
-sub-group's two moments are both 8-bit, the packed buffers read from the store are stepped in place and
-written back as they are. The arithmetic is torch's fused CPU AdamW element by element (up to the 1-ulp
-lerp difference documented there), whichever AdamW implementation (foreach / fused / single-tensor)
-the user picked; the unfused path (stepper.py) stays for every other case (the first step, which creates
-the states; fp32 states of small sub-groups; any other optimizer).
+stepping, and packing them again on the writer thread takes three passes and about twice the CPU of the
+fused native kernel of quant.states ([Note: fused 8-bit step] there: decode, update, encode per block of
+256 in one pass; figures in bench/README.md). So, when the inner optimizer is AdamW in a form that kernel
+computes (see fused8_capable) and a sub-group's two moments are both 8-bit, the packed buffers read from
+the store are stepped in place and written back as they are. The arithmetic is torch's fused CPU AdamW
+element by element (up to the 1-ulp lerp difference documented there), whichever AdamW implementation the
+user picked; the unfused path (stepper.py) stays for every other case (the first step, which creates the
+states; fp32 states of small sub-groups; any other optimizer).
 """
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ from .state8 import EightBitStates
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst <- src. Same-dtype contiguous CPU tensors go through one memmove: the pipeline's reader and writer
-    threads then do not start OpenMP teams of their own next to the compute thread's (on a 2-core machine
-    that oversubscription made a 2 MB copy_ take ~1-7 ms instead of ~0.2)."""
+    threads then do not start OpenMP teams of their own next to the compute thread's, which would
+    oversubscribe the cores."""
     if (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.is_contiguous()
             and src.is_contiguous() and dst.numel() == src.numel()):
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
@@ -114,8 +114,7 @@ class SubgroupStepper:
 
     # [Note: one inner step for memory tiers]
     # With nothing on nvme there is no I/O to overlap, and stepping sub-group by sub-group costs one inner
-    # optimizer call each: torch's fused CPU AdamW forks an OpenMP team per call, so 8 calls over 2M elements
-    # measured 19.2 ms where one call over the same 8 tensors took 16.6 (bench optim, development machine).
+    # optimizer call each, and torch's fused CPU AdamW forks an OpenMP team per call.
     # Once every sub-group has its states (after the first step, which creates them one sub-group at a time so
     # their temporaries never exist all at once) and the gradients sit on the states' tier (no copy of the
     # whole gradient partition to another device), the step enters every sub-group's tensors in place

@@ -111,14 +111,13 @@ class ExtentWriter:
 
         [Note: extent files are preallocated ahead of the writes]
         An O_DIRECT write past the end of an ext4 file has to change the file's size, and ext4 does such
-        writes one at a time instead of overlapping them: streaming 4 MiB requests into a growing file
-        ran at half the speed of the same requests into preallocated space (measured, 8 x 64 MiB). So the
-        space of each extent file is reserved with fallocate() ahead of use once the file passes
-        PREALLOC_FROM (small stores stay as small on disk as their data), growing geometrically (the size
-        so far, at most 1 GiB at a time). Best effort: where fallocate is not supported or the disk is too
-        full for a step, only what is needed is asked for, then nothing: the reservation of each extent
-        (_reserve) then reports a full disk. Reserved space no manifest names is free space, so this changes nothing for
-        crash safety; the fsync in sync() covers the new size."""
+        writes one at a time instead of overlapping them. So the space of each extent file is reserved with
+        fallocate() ahead of use once the file passes PREALLOC_FROM (small stores stay as small on disk as
+        their data), growing geometrically (the size so far, at most 1 GiB at a time). Best effort: where
+        fallocate is not supported or the disk is too full for a step, only what is needed is asked for,
+        then nothing: the reservation of each extent (_reserve) then reports a full disk. Reserved space no
+        manifest names is free space, so this changes nothing for crash safety; the fsync in sync() covers
+        the new size."""
         have = self._prealloc.get(f, 0)  # bytes, logical
         if end <= have or end <= PREALLOC_FROM or not self._prealloc_ok:
             return
