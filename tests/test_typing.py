@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from tierstore.encoding import IDENTITY
 from tierstore.io import Backend, Engine, io_uring_status
 from tierstore.io.engine import _ThreadBackend, _UringBackend
 from tierstore.quant import codec_for
-from tierstore.tensor import IDENTITY
 from tierstore.tiers.device import to_dlpack_tensor
 from tierstore.typing import Codec, SupportsDLPack, TensorLike
 

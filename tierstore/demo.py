@@ -28,6 +28,7 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import Any
 
 from ._units import fmt_bytes
 from .bench._common import size_arg
@@ -131,7 +132,7 @@ def _exactness(args, root: str, report: dict) -> bool:
 
     text, _files, _root = stdlib_text(1 << 20)
     data = batches(text, args.exact_steps, 4, 64, seed=2)
-    hyper = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    hyper: dict[str, Any] = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     torch.manual_seed(0)
     ref = build_model(64, 2, 64, checkpoint=args.checkpoint_activations)
     ref_opt = torch.optim.AdamW(ref.parameters(), **hyper)
@@ -141,7 +142,7 @@ def _exactness(args, root: str, report: dict) -> bool:
     with zero.Init(cfg):
         m = build_model(64, 2, 64, checkpoint=args.checkpoint_activations)
     z = zero.Zero3Optimizer(m, torch.optim.AdamW, config=cfg, **hyper)
-    losses = {"torch": [], "zero3": []}
+    losses: dict[str, list[float]] = {"torch": [], "zero3": []}
     try:
         for x, y in data:
             for name, (model, opt) in (("torch", (ref, ref_opt)), ("zero3", (m, z))):
@@ -167,13 +168,22 @@ def _train(args, root: str, report: dict) -> bool:
 
     from . import zero
     from .bench._common import print_table
-    from .bench.gpt import (VOCAB, StepClock, batches, build_model, bytes_by_tier_and_kind, count_params,
-                            reset_peak_rss,
-                            dir_bytes, proc_status, stdlib_text)
+    from .bench.gpt import (
+        VOCAB,
+        StepClock,
+        batches,
+        build_model,
+        bytes_by_tier_and_kind,
+        count_params,
+        dir_bytes,
+        proc_status,
+        reset_peak_rss,
+        stdlib_text,
+    )
 
     text, files, src = stdlib_text(args.text)
     data = batches(text, args.steps, args.batch, args.context)
-    hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    hyper: dict[str, Any] = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     n_params = count_params(args.width, args.layers, args.context)
     tokens = args.batch * args.context  # per step
     nvme_dir = os.path.join(root, "run")
@@ -198,10 +208,9 @@ def _train(args, root: str, report: dict) -> bool:
     clock = StepClock(opt, model)
     resume_at = args.steps - args.resume_steps if 0 < args.resume_steps < args.steps else None
     steps: list[dict] = []
-    kinds = None
+    kinds: dict[str, dict[str, int]] = {}  # taken after the last backward, when every kind exists
     ckpt = os.path.join(root, "ckpt")
     ckpt_s = None
-    nvme0 = opt.store.stats()["nvme"]
     budget = args.budget
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     live = sys.stderr.isatty()
@@ -259,7 +268,7 @@ def _train(args, root: str, report: dict) -> bool:
             o2.close()
     finally:
         opt.close()
-    nvme1 = steps and {"read": sum(s["read_bytes"] for s in steps), "write": sum(s["write_bytes"] for s in steps)}
+    nvme1 = {"read": sum(s["read_bytes"] for s in steps), "write": sum(s["write_bytes"] for s in steps)}
     states_bytes = sum(sum(v.values()) for v in kinds.values())
     peak = max(s["peak_rss"] for s in steps)
     if budget is None:

@@ -29,10 +29,10 @@ def build_model(width: int, layers: int, context: int, *, checkpoint: bool = Fal
     the ZeRO-3 hooks' module_enter / module_exit bracket exactly one module's compute. checkpoint: run each
     block under torch.utils.checkpoint (only its input is kept for backward, which recomputes the rest):
     the memory of the activations then grows by one tensor per layer, not twenty."""
-    import torch.utils.checkpoint
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
+    import torch.utils.checkpoint
 
     if width % HEAD:
         raise ValueError(f"width {width} must be a multiple of {HEAD}")
