@@ -102,7 +102,7 @@ def mutated(draw, doc):
         elif op == "delete":
             del parent[key]
         elif op == "add" and isinstance(parent, dict):
-            parent[draw(st.text(max_size=3))] = draw(st.sampled_from(INTERESTING))
+            parent[draw(st.text(max_size=3))] = copy.deepcopy(draw(st.sampled_from(INTERESTING)))
         elif op == "add" and isinstance(parent, list):
             parent.append(copy.deepcopy(draw(st.sampled_from(parent + INTERESTING))))
         elif op == "copy":
