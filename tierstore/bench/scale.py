@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--states", choices=("fp32", "dynamic8"), default="fp32")
+    p.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction, default=True,
+                   help="run each block under torch.utils.checkpoint, as the demo does (default on)")
     p.add_argument("--pinned", default="64M", help="the store's page-locked budget")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per size")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # the child process: one size
@@ -46,7 +48,8 @@ def run(args) -> int:
             out = os.path.join(root, "one.json")
             cmd = [sys.executable, "-m", "tierstore", "bench", "scale", "--one", "--sizes", str(n),
                    "--dir", root, "--steps", str(args.steps), "--context", str(args.context), "--batch",
-                   str(args.batch), "--states", args.states, "--pinned", args.pinned, "--json", out]
+                   str(args.batch), "--states", args.states, "--pinned", args.pinned, "--json", out,
+                   "--checkpoint-activations" if args.checkpoint_activations else "--no-checkpoint-activations"]
             print(f"bench scale: {n / 1e6:.0f}M parameters ...", flush=True)
             subprocess.run(cmd, check=True, timeout=args.timeout)
             with open(out) as f:
@@ -93,12 +96,14 @@ def _one(args) -> int:
         bytes_by_tier_and_kind,
         count_params,
         dir_bytes,
+        keep_heap_small,
         proc_status,
         shape_for,
         stdlib_text,
     )
 
     torch.set_num_threads(min(4, os.cpu_count() or 1))
+    keep_heap_small()  # [Note: resident memory follows live memory] in gpt.py
     n = float(args.sizes)
     width, layers = shape_for(n)
     nvme = os.path.join(args.dir, "nvme")
@@ -108,7 +113,7 @@ def _one(args) -> int:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with zero.Init(cfg):
-        model = build_model(width, layers, args.context)
+        model = build_model(width, layers, args.context, checkpoint=args.checkpoint_activations)
     opt = zero.Zero3Optimizer(model, torch.optim.AdamW, config=cfg, lr=1e-4)
     build_s = time.perf_counter() - t0
     times, losses = [], []
