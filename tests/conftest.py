@@ -3,6 +3,7 @@ with the reason without it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.support.loopfs import mounted
 
@@ -18,3 +19,13 @@ def ext4(tmp_path):
     """A mounted 24 MiB ext4 image (tests/support/loopfs.py): skipped with the reason where loop mounts
     cannot be had (not root, no loop devices)."""
     yield from mounted(tmp_path, "ext4", 24)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one intra-op thread for a module of tiny-tensor tests (more threads only contend on the
+    shared CI cores); use with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -18,13 +18,8 @@ from tierstore.zero import OffloadConfig, Zero3Optimizer, keys
 TIERS = ("device", "host", "nvme")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on the shared CI cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny tensors: intra-op threads only add contention on the shared CI cores
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run_parity(tmp_path, opt_cls, kwargs, steps=20, **cfg_kw):

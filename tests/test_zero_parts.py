@@ -8,13 +8,8 @@ import torch
 from tests.support import batches, cfg, loss_fn, make_pair
 from tierstore.zero import Zero3Optimizer, keys
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny tensors: intra-op threads only add contention on the shared CI cores
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _trained(tmp_path, steps=2, **cfg_kw):
