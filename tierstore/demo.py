@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from ._units import fmt_bytes
-from .bench._common import size_arg
+from .bench._common import proc_status, size_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -176,7 +176,6 @@ def _train(args, root: str, report: dict) -> bool:
         bytes_by_tier_and_kind,
         count_params,
         dir_bytes,
-        proc_status,
         reset_peak_rss,
         stdlib_text,
     )

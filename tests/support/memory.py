@@ -3,14 +3,7 @@ from __future__ import annotations
 
 import ctypes
 
-
-def status(field: str) -> int:  # bytes
-    """A size field of /proc/self/status (VmRSS, VmHWM, ...)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
+from tierstore.bench._common import proc_status
 
 
 def peak_growth(fn) -> tuple[int, object]:
@@ -18,9 +11,9 @@ def peak_growth(fn) -> tuple[int, object]:
     and fn()'s result."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    before = status("VmRSS")
+    before = proc_status("VmRSS")
     out = fn()
-    return status("VmHWM") - before, out
+    return proc_status("VmHWM") - before, out
 
 
 def rss_follows_live_memory() -> None:

@@ -184,3 +184,12 @@ def engine_pass(eng, path: str, mode: str, pieces) -> float:
     dt = time.perf_counter() - t0
     eng.close_file(f)
     return dt
+
+
+def proc_status(field: str) -> int:  # bytes
+    """A size from /proc/self/status (Linux), e.g. VmRSS (resident now) or VmHWM (the most resident so far)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(f"/proc/self/status has no field {field!r}")

@@ -147,15 +147,6 @@ def reset_peak_rss() -> None:
         pass
 
 
-def proc_status(field: str) -> int:  # bytes
-    """A size from /proc/self/status, e.g. VmRSS (resident now) or VmHWM (the most resident so far)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def ram_bytes() -> int:  # bytes
     """The machine's RAM (MemTotal)."""
     try:

@@ -23,7 +23,17 @@ import os
 import shutil
 import tempfile
 
-from ._common import Progress, drop_page_cache, engine_pass, fmt_bytes, interleave, print_table, size_arg, write_json
+from ._common import (
+    Progress,
+    drop_page_cache,
+    engine_pass,
+    fmt_bytes,
+    interleave,
+    print_table,
+    proc_status,
+    size_arg,
+    write_json,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,12 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fio", action="store_true", help="skip the fio reference")
 
 
-def _status(field: str) -> int:  # bytes
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def run(args) -> int:
@@ -142,11 +146,11 @@ def run(args) -> int:
             def case():
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
-                before = _status("VmRSS")
+                before = proc_status("VmRSS")
                 t0 = time.perf_counter()
                 opt.step()
                 dt = time.perf_counter() - t0
-                peaks.setdefault(name, []).append(_status("VmHWM") - before)
+                peaks.setdefault(name, []).append(proc_status("VmHWM") - before)
                 return dt
             return case
 

@@ -88,7 +88,7 @@ def _one(args) -> int:
     import torch.nn.functional as F
 
     from .. import zero
-    from ._common import parse_size
+    from ._common import parse_size, proc_status
     from .gpt import (
         VOCAB,
         batches,
@@ -97,7 +97,6 @@ def _one(args) -> int:
         count_params,
         dir_bytes,
         keep_heap_small,
-        proc_status,
         shape_for,
         stdlib_text,
     )
