@@ -37,6 +37,9 @@ class OffloadConfig:
         stored on nvme, per tierstore.quant.states.StatePolicy).
     quantized_weights: qwZ, an int8 all-gather of parameter shards (world > 1).
     quantized_gradients: qgZ, an int4 all-to-all reduce-scatter of gradients (world > 1).
+    hpz_partition_size: hpZ, a secondary copy of the parameters partitioned over this many ranks (a node), so
+        backward's all-gathers stay inside it (zero/hpz.py, [Note: hpZ]); 1 (off), a divisor of the world
+        size, or 'node' (ranks per node from LOCAL_WORLD_SIZE, else from the ranks' host names).
     compute_dtype: dtype of the gathered parameters the model computes with; masters stay fp32.
     prefetch_depth: modules ahead of use whose buckets are prepared (traced prefetch; 0: off): shards read up
         from the store and copied to the device 2 x depth modules ahead, all-gathers posted depth ahead
@@ -65,6 +68,7 @@ class OffloadConfig:
     loss_scale_window: int = 1000  # steps without overflow before the scale doubles
     min_loss_scale: float = 1.0
     intra_node_size: int | None = None  # qgZ: ranks per node (default: all)
+    hpz_partition_size: int | str = 1  # hpZ: ranks per secondary partition (1: off; 'node': ranks per node)
     extra: dict = field(default_factory=dict)  # keys from_deepspeed could not map, kept for reference
 
     def __post_init__(self) -> None:
@@ -87,6 +91,10 @@ class OffloadConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
                 raise TierstoreValueError(f"OffloadConfig({name}={v!r}): an integer >= {least}")
+        h = self.hpz_partition_size
+        if h != "node" and (not isinstance(h, int) or isinstance(h, bool) or h < 1):
+            raise TierstoreValueError(f"OffloadConfig(hpz_partition_size={h!r}): an integer >= 1 (1: hpZ off) that "
+                                      f"divides the world size, or 'node'")
         if not self.initial_loss_scale > 0 or not self.min_loss_scale > 0:
             raise TierstoreValueError("OffloadConfig: initial_loss_scale and min_loss_scale must be > 0")
 
@@ -112,6 +120,7 @@ class OffloadConfig:
         Mapped: zero_optimization.stage (must be 3), .offload_param.{device, nvme_path, pin_memory},
         .offload_optimizer.{device, nvme_path}, .sub_group_size (elements -> fp32 bytes),
         .stage3_prefetch_bucket_size (-> prefetch on), .zero_quantized_weights, .zero_quantized_gradients,
+        .zero_hpz_partition_size,
         fp16.{enabled, initial_scale_power, loss_scale_window, min_loss_scale}, bf16.enabled,
         aio.{block_size, queue_depth} (noted: the store picks its own request sizes)."""
         if not isinstance(ds_config, Mapping):
@@ -158,6 +167,8 @@ class OffloadConfig:
             kw["quantized_weights"] = bool(zo.pop("zero_quantized_weights"))
         if "zero_quantized_gradients" in zo:
             kw["quantized_gradients"] = bool(zo.pop("zero_quantized_gradients"))
+        if "zero_hpz_partition_size" in zo:  # hpZ ([Note: hpZ] in hpz.py)
+            kw["hpz_partition_size"] = int(zo.pop("zero_hpz_partition_size"))
         for k in zo:
             ignored.append(f"zero_optimization.{k}")
         fp16 = dict(ds_config.get("fp16") or {})
