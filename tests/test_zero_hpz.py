@@ -9,10 +9,11 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
-from tests.support import Checkpointed, batches, loss_fn, run_ranks
+from tests.support import batches, loss_fn, run_ranks
+from tierstore.bench.hpz import AllGatherBytes
 from tierstore.errors import TierstoreValueError
 from tierstore.quant.collectives import payload_nbytes
 from tierstore.quant.layout import DEFAULT_BLOCK
@@ -24,61 +25,61 @@ STEPS = 4
 
 
 class Mixed(nn.Module):
-    """Checkpointed residual blocks (recomputed in backward) around plain layers."""
+    """A block under non-reentrant checkpointing (its backward entries gather, then it is recomputed) and one
+    under reentrant checkpointing (its modules make no entries: the recomputed forward inside backward
+    gathers their buckets), between plain layers."""
 
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(16, 16)
-        self.mid = Checkpointed(reentrant=False)
-        self.out = nn.Linear(4, 4)
+        self.a = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
+        self.b = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
+        self.out = nn.Linear(16, 4)
 
     def forward(self, x):
-        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+        x = torch.tanh(self.inp(x))
+        x = x + checkpoint(self.a, x, use_reentrant=False)
+        x = x + checkpoint(self.b, x, use_reentrant=True)
+        return self.out(x)
 
 
 class _Phase(HookEvents):
-    backward = False
+    """Tells the counter whether a backward runs, and counts the all-gathers made for recomputed modules
+    (those since the previous event when a recomputed call enters: its pre-hook gathered them)."""
+
+    counter: AllGatherBytes
+
+    def __init__(self):
+        self.backward = False
+        self.recompute_gathers = 0
+        self._seen = 0
+
+    def _calls(self):
+        return sum(self.counter.calls.values())
+
+    def _mark(self):
+        self._seen = self._calls()
+
+    def forward_begin(self):
+        self._mark()
+
+    def module_enter(self, module, index):
+        if index is None:
+            self.recompute_gathers += self._calls() - self._seen
+        self._mark()
+
+    def module_exit(self, module, index, entry):
+        self._mark()
 
     def backward_begin(self, entries):
         self.backward = True
+        self._mark()
+
+    def backward_visit(self, entry):
+        self._mark()
 
     def backward_end(self, aborted):
         self.backward = False
-
-
-class _Counter:
-    """Wraps torch.distributed's all-gathers: bytes each call sends to ranks of another node, by phase."""
-
-    def __init__(self, rank):
-        self.rank = rank
-        self.phase = _Phase()
-        self.bytes = {("forward", "inter"): 0, ("forward", "intra"): 0, ("backward", "inter"): 0,
-                      ("backward", "intra"): 0}
-        self.world_calls = {"forward": 0, "backward": 0}  # calls through a group spanning every rank
-        self._orig = {}
-        for name in ("all_gather_into_tensor", "all_gather_single"):
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                self._orig[name] = fn
-                setattr(dist, name, self._wrap(fn))
-
-    def _wrap(self, fn):
-        def counted(out, inp, group=None, async_op=False):
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(WORLD))
-            mine = self.rank // NODE
-            others = sum(1 for r in ranks if r // NODE != mine)
-            phase = "backward" if self.phase.backward else "forward"
-            nbytes = inp.numel() * inp.element_size()
-            self.bytes[(phase, "inter")] += nbytes * others
-            self.bytes[(phase, "intra")] += nbytes * (len(ranks) - 1 - others)
-            if len(ranks) == WORLD:
-                self.world_calls[phase] += 1
-            return fn(out, inp, group=group, async_op=async_op)
-        return counted
-
-    def restore(self):
-        for name, fn in self._orig.items():
-            setattr(dist, name, fn)
 
 
 def _train(rank, root, name, **kw):
@@ -86,21 +87,22 @@ def _train(rank, root, name, **kw):
     m = Mixed()
     cfg = OffloadConfig(min_io_bytes=512, sub_group_bytes=4096, nvme_paths=[os.path.join(root, name)], **kw)
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg)
-    counter = _Counter(rank)
-    sub = opt.coordinator.subscribe(counter.phase)
+    phase = _Phase()
+    counter = AllGatherBytes(NODE, lambda: "backward" if phase.backward else "forward")
+    phase.counter = counter
+    sub = opt.coordinator.subscribe(phase)
     losses = []
-    try:
+    with counter:
         for x, y in batches(STEPS, seed=3, bs=16):
             loss = loss_fn(m, x.chunk(WORLD)[rank], y.chunk(WORLD)[rank])
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach())
-    finally:
-        counter.restore()
-        sub.remove()
+    sub.remove()
     out = {"losses": torch.stack(losses), "params": opt.full_state_dict(), "bytes": counter.bytes,
-           "world_calls": counter.world_calls, "hpz": None if opt.hpz is None else opt.hpz.stats(),
+           "world_calls": counter.world_calls, "recompute_gathers": phase.recompute_gathers,
+           "hpz": None if opt.hpz is None else opt.hpz.stats(),
            "coord": opt.coordinator.stats(), "buckets": [(opt.layout.bucket(g).numel, opt.layout.shard_numel(g))
                                                          for g in range(len(opt.layout.subgroups))]}
     opt.close()
@@ -163,7 +165,10 @@ def test_backward_all_gathers_send_nothing_to_another_node(results):
 
 def test_recomputation_in_backward_gathers_from_the_secondary(results):
     for r in results:
-        # every all-gather the backward made without hpZ (a recomputed forward's included) is a node gather
+        # the reentrant block's recomputed forward gathers its buckets inside backward: through the node
+        assert r["two_ondemand"]["recompute_gathers"] == r["off_ondemand"]["recompute_gathers"] > 0
+        assert r["node"]["recompute_gathers"] == r["off"]["recompute_gathers"] > 0
+        # every all-gather the backward made without hpZ (the recomputed forwards' included) is a node gather
         assert r["node"]["hpz"].node_gathers == r["off"]["world_calls"]["backward"]
         assert r["two_ondemand"]["hpz"].node_gathers == r["off_ondemand"]["world_calls"]["backward"]
 

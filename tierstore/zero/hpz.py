@@ -14,8 +14,9 @@ the data-parallel group.
   state to it. When a hooked module's forward ends (``module_exit``, before its buckets are released), every
   gathered bucket not yet copied in this forward gives the secondary partition this rank's run of it:
   elements [l * numel / k, (l + 1) * numel / k) for the rank's index l in its node. So the secondary holds the
-  values the primary all-gather produced in this forward, the same on every rank of the node. Only forwards
-  with gradients enabled fill; a forward recomputed inside backward does not.
+  values the primary all-gather produced in this forward, the same on every rank of the node. Only a model
+  forward started with gradients enabled fills (all of it: a region of it under no_grad, such as reentrant
+  checkpointing's first pass, is gathered again in backward); a forward recomputed inside backward does not.
 - Serving: ``forward_begin`` and ``backward_end`` make every run stale; between ``backward_begin`` and
   ``backward_end`` a gather of a bucket filled in this forward comes from the secondary through the node
   group (``Prefetcher.secondary``, the one seam in the gather path: on demand in ParamCoordinator.gather,
@@ -134,6 +135,7 @@ class Hpz(HookEvents):
         self._runs: dict[int, torch.Tensor] = {}  # gid -> this rank's run (or its packed int8 payload)
         self._ready: set[int] = set()  # gids whose run holds this forward's values
         self._serving = False  # between backward_begin and backward_end
+        self._filling = False  # this forward fills the secondary (it runs with gradients enabled)
         self.fills = 0
         self.node_gathers = 0
         self.node_gather_bytes = 0
@@ -168,9 +170,12 @@ class Hpz(HookEvents):
     def forward_begin(self) -> None:
         self._ready.clear()
         self._serving = False
+        # the model's forward under torch.no_grad has no backward to come; a region inside a forward with
+        # gradients may run under no_grad and still be gathered in backward (reentrant checkpointing)
+        self._filling = torch.is_grad_enabled()
 
     def module_exit(self, module: torch.nn.Module, index: int | None, entry: int | None) -> None:
-        if index is None or not torch.is_grad_enabled():  # recomputed inside backward, or no backward to come
+        if index is None or not self._filling:  # recomputed inside backward, or no backward to come
             return
         for gid, full in self.coord.residency.live.items():
             if gid not in self._ready:
