@@ -114,6 +114,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         for name, kw in CASES.items():
             torch.manual_seed(0)
             model = torch.nn.Sequential(*[torch.nn.Linear(w, w) for _ in range(args.layers)])
+            numel = sum(p.numel() for p in model.parameters())  # before the optimizer empties them
             cfg = OffloadConfig(**kw)
             opt = Zero3Optimizer(model, torch.optim.AdamW, lr=1e-3, config=cfg)
             phase = Phase()
@@ -133,7 +134,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
             results[name].update(bytes={f"{p} {k}": v for (p, k), v in counter.bytes.items()},
                                  world_calls=counter.world_calls,
                                  secondary=0 if opt.hpz is None else opt.hpz.stats().secondary_bytes,
-                                 params=sum(p.numel() for p in model.parameters()))
+                                 params=numel)
             sub.remove()
             opt.close()
     dist.destroy_process_group()
