@@ -218,3 +218,20 @@ def test_config_checks_and_deepspeed_mapping():
         warnings.simplefilter("error")  # the key is mapped, not reported as ignored
         c = OffloadConfig.from_deepspeed({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}})
     assert c.hpz_partition_size == 8
+
+
+@pytest.mark.parametrize("facts, expect", [
+    ([("a", None), ("a", None), ("b", None), ("b", None)], 2),  # host names, node-major
+    ([("a", "2"), ("a", "2"), ("a", "2"), ("a", "2")], 2),  # LOCAL_WORLD_SIZE wins over one host name
+    ([("a", None), ("b", None), ("a", None), ("b", None)], "consecutive"),  # not node-major
+    ([("a", None), ("a", None), ("a", None), ("b", None)], "consecutive"),  # nodes of different sizes
+    ([("a", "2"), ("a", "2"), ("b", "4"), ("b", "4")], "LOCAL_WORLD_SIZE differ"),
+])
+def test_node_size_from_the_topology(monkeypatch, facts, expect):
+    from tierstore.zero import hpz
+    monkeypatch.setattr(hpz._dist, "all_gather_object", lambda obj, group=None: facts)
+    if isinstance(expect, int):
+        assert hpz._node_size(None, len(facts)) == expect
+    else:
+        with pytest.raises(TierstoreValueError, match=expect):
+            hpz._node_size(None, len(facts))
