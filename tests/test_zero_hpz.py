@@ -158,6 +158,10 @@ def test_backward_all_gathers_send_nothing_to_another_node(results):
             assert b[("forward", "inter")] == r[ref]["bytes"][("forward", "inter")] > 0
             st = r[name]["hpz"]
             assert st.partition_size == NODE and st.node_gathers > 0 and st.fills > 0
+            # the coordinator counts them among its gathers, as many as without hpZ
+            assert r[name]["coord"].gathers == r[ref]["coord"].gathers
+            assert r[name]["coord"].gathers_ahead == r[ref]["coord"].gathers_ahead
+            assert r[name]["coord"].gather_hits == r[ref]["coord"].gather_hits
             # what the rank sent inside its node is what hpZ counted
             assert st.node_gather_bytes == b[("backward", "intra")]
             assert r[ref]["bytes"][("backward", "inter")] > 0  # without hpZ the backward crosses nodes

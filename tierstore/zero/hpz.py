@@ -62,7 +62,7 @@ class HpzStats:
     secondary_bytes: int  # bytes of the secondary partition on this rank now (kept from step to step)
     buckets_ready: int  # buckets whose secondary run holds this forward's values now
     fills: int  # runs copied from a forward's gathered bucket into the secondary partition
-    node_gathers: int  # all-gathers through the node group (on demand and posted ahead)
+    node_gathers: int  # of CoordinatorStats.gathers, those through the node group (on demand and posted ahead)
     node_gather_bytes: int  # bytes this rank sent in them: its run's bytes x (k - 1)
 
 

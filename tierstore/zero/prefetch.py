@@ -258,14 +258,15 @@ class Prefetcher:
         for gid in gids:
             if self.held(gid) or gid in self._pending:
                 continue
-            if self.secondary is not None and (hp := self.secondary.gather_async(gid)) is not None:
-                self._pending[gid] = hp  # hpZ: inside the node ([Note: hpZ] in hpz.py)
-                continue
-            b = self.layout.bucket(gid)
-            shard = self.shard(gid)
-            full = torch.empty(b.numel, dtype=b.dtype, device=self.device)
-            with torch.profiler.record_function("tierstore::all_gather_post"):
-                self._pending[gid] = _dist.all_gather_async(shard, full, self.group, quantized=self.qwz)
+            # hpZ: inside the node when the secondary partition covers it ([Note: hpZ] in hpz.py)
+            pending = self.secondary.gather_async(gid) if self.secondary is not None else None
+            if pending is None:
+                b = self.layout.bucket(gid)
+                shard = self.shard(gid)
+                full = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+                with torch.profiler.record_function("tierstore::all_gather_post"):
+                    pending = _dist.all_gather_async(shard, full, self.group, quantized=self.qwz)
+            self._pending[gid] = pending
             self.gathers_ahead += 1
             self.most_ahead = max(self.most_ahead, len(self._pending))
 
