@@ -24,21 +24,20 @@ from __future__ import annotations
 
 import threading
 import types
-import weakref
 
 import torch
 
 from ..errors import TierstoreValueError
+from . import registry
 
 _lock = threading.Lock()
-_open: weakref.WeakSet = weakref.WeakSet()  # the Zero3Optimizers not closed
 _saved: dict[tuple[types.ModuleType, str], object] = {}  # (module, attribute) -> torch's function
 
 
 def register(opt) -> None:
     """`opt` is open: install the wrappers if they are not."""
     with _lock:
-        _open.add(opt)
+        registry.add(opt)
         if not _saved:
             _install()
 
@@ -46,8 +45,7 @@ def register(opt) -> None:
 def unregister(opt) -> None:
     """`opt` closed: remove the wrappers with the last one."""
     with _lock:
-        _open.discard(opt)
-        if not len(_open) and _saved:
+        if registry.discard(opt) == 0 and _saved:
             for (mod, attr), fn in _saved.items():
                 setattr(mod, attr, fn)
             _saved.clear()
@@ -81,8 +79,8 @@ def _install() -> None:
 
     for fn, orig in ((clip_grad_norm_, orig_norm), (clip_grad_value_, orig_value),
                      (clip_grads_with_norm_, orig_with_norm)):
-        fn.__doc__ = f"tierstore: routed to Zero3Optimizer for its parameters ([Note: clipping through torch's " \
-                     f"functions]); otherwise torch's.\n\n{orig.__doc__ or ''}"
+        fn.__doc__ = ("tierstore: routed to the Zero3Optimizer that manages the parameters (see tierstore/zero/"
+                      f"clip.py); otherwise torch's.\n\n{orig.__doc__ or ''}")
         setattr(fn, "__wrapped__", orig)  # noqa: B010  # inspect.signature shows torch's
     for mod, attr, fn in ((C, "clip_grad_norm_", clip_grad_norm_), (U, "clip_grad_norm_", clip_grad_norm_),
                           (C, "clip_grad_value_", clip_grad_value_), (U, "clip_grad_value_", clip_grad_value_),
@@ -95,7 +93,7 @@ def _owner(params: list, what: str):
     """The open Zero3Optimizer whose parameters `params` are, None when no optimizer manages any of them;
     raises where the answer could not be exact ([Note: clipping through torch's functions])."""
     ids = {id(p) for p in params}
-    owners = [o for o in list(_open) if not ids.isdisjoint(o.managed_param_ids())]
+    owners = registry.owners(ids)
     if not owners:
         return None
     if len(owners) > 1:

@@ -157,6 +157,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         shapes = {}
         for name, p in self._params.items():
             handle = getattr(p, "_tierstore_init", None)
+            if handle is not None:
+                handle.unwrap(p)  # a plain Parameter again: the optimizer takes it ([Note: when a module is offloaded])
             shape = tuple(handle.shape) if handle is not None else tuple(p.shape)
             if not (p.dtype.is_floating_point or handle is not None):
                 raise TierstoreValueError(f"parameter {name!r} has dtype {p.dtype}; ZeRO-3 manages floating-point "
@@ -519,14 +521,48 @@ class Zero3Optimizer(torch.optim.Optimizer):
 
     # -- full parameters ---------------------------------------------------------------------------------
     @contextmanager
-    def gathered(self):
-        """`with opt.gathered():` every parameter of the model holds its full value (collective: every
-        rank enters). Changes made inside are not written back; use for evaluation or export."""
-        self.coordinator.gather(range(len(self.layout.subgroups)))
+    def gathered(self, params=None, *, modifier_rank: int | None = None):
+        """`with opt.gathered():` every parameter of the model (or those in `params`) holds its full value
+        (collective: every rank enters, with the same parameters). modifier_rank=r: on exit rank r's values
+        are broadcast and written into every rank's shards and fp32 masters, so changes made inside are kept;
+        None (default): changes are dropped (evaluation, export). See [Note: gathered parameters] in
+        gathered.py."""
+        if params is None:
+            names = list(self._params)
+        else:
+            by_id = {id(p): n for n, p in self._params.items()}
+            given = [params] if isinstance(params, torch.Tensor) else list(params)
+            foreign = [p for p in given if id(p) not in by_id]
+            if foreign:
+                raise TierstoreValueError(f"gathered(params=...): {len(foreign)} of the parameters given are not "
+                                          f"managed by this Zero3Optimizer")
+            names = list(dict.fromkeys(by_id[id(p)] for p in given))
+        self.module_state.check_idle("gathered()")
+        gids = sorted({g for n in names for g in self.layout.param_gids[n]})
+        before = set(self.coordinator.residency.live)
+        self.coordinator.gather(gids)
+        ok = False
         try:
             yield self.model
+            ok = True
         finally:
-            self.coordinator.release_all()
+            try:
+                if ok and modifier_rank is not None:
+                    values = {}
+                    for n in names:
+                        v = self._params[n].data
+                        if self.world_size > 1:
+                            import torch.distributed as dist
+                            src = dist.get_global_rank(self.group, modifier_rank) if self.group is not None \
+                                else modifier_rank
+                            dist.broadcast(v, src=src, group=self.group)
+                        values[n] = v
+                    with torch.no_grad():
+                        self.module_state.load_into_shards(values)
+            finally:
+                for gid in gids:
+                    if gid not in before:
+                        self.coordinator.release(gid)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """name -> full parameter value (compute dtype, a copy), every name of model.named_parameters()
