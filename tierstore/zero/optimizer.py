@@ -565,8 +565,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
                         self.coordinator.release(gid)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """name -> full parameter value (compute dtype, a copy), every name of model.named_parameters()
-        including tied aliases, plus the model's buffers. Collective."""
+        """name -> full parameter value (compute dtype, a CPU copy), every name of model.named_parameters()
+        including tied aliases, plus the model's buffers. Collective; one bucket gathered at a time."""
         vals = self.module_state.gather_values(list(self._params))  # one bucket alive at a time; CPU tensors
         out = {alias: vals[canon] for alias, canon in self._aliases.items()}
         for n, b in self.model.named_buffers():
