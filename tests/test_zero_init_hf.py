@@ -98,6 +98,12 @@ def test_use_outside_a_scope_raises_and_gathered_parameters_keeps_writes(tmp_pat
             m.fc.weight.zero_()  # no scope: would have been a write into an empty tensor
     with pytest.raises(MisuseError, match="Tensor.data"):
         m.fc.weight.data.zero_()
+    # what needs no value works without a scope: metadata, freezing, zero_grad
+    assert len(m.fc.weight) == 16 and m.fc.weight.dim() == 2 and m.fc.weight.size(1) == 8
+    m.emb.weight.requires_grad_(False)
+    m.zero_grad()
+    assert not m.emb.weight.requires_grad and isinstance(m.emb.weight, OffloadedParameter)
+    m.emb.weight.requires_grad_(True)
     with GatheredParameters(m.fc.weight):  # modifier_rank=None: read, changes dropped
         assert torch.equal(m.fc.weight, ref.fc.weight)
         with torch.no_grad():

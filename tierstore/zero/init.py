@@ -452,13 +452,14 @@ _META = {_T.shape.__get__: lambda h, a, k: h.shape, _T.size: _size,  # type: ign
          _T.dim: lambda h, a, k: len(h.shape), _T.ndimension: lambda h, a, k: len(h.shape),
          _T.ndim.__get__: lambda h, a, k: len(h.shape),  # type: ignore[attr-defined]
          _T.numel: lambda h, a, k: h.numel, _T.nelement: lambda h, a, k: h.numel,
-         _T.dtype.__get__: lambda h, a, k: h.dtype}  # type: ignore[attr-defined]
+         _T.dtype.__get__: lambda h, a, k: h.dtype,  # type: ignore[attr-defined]
+         _T.__len__: lambda h, a, k: h.shape[0]}
 _PASS = {getattr(_T, n).__get__ if isinstance(getattr(_T, n, None), type(_T.device)) else getattr(_T, n)
          for n in ("device", "requires_grad", "is_leaf", "grad", "grad_fn", "layout", "is_meta", "is_cuda",
                    "is_sparse", "is_quantized", "is_floating_point", "is_complex", "element_size", "get_device",
                    "__hash__", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_")
          if hasattr(_T, n)}
-_PASS.add(_T.requires_grad.__set__)  # type: ignore[attr-defined]
+_PASS.update({_T.requires_grad.__set__, _T.grad.__set__, _T.is_contiguous})  # type: ignore[attr-defined,union-attr]
 
 
 def _offloaded_in(obj):
