@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,10 +43,11 @@ def run(args) -> int:
     from tierstore.quant import SCHEMES, dequantize, empty_quantized, quantize
     from tierstore.quant.schemes import get
 
+    bnbf: Any = None  # bitsandbytes.functional where it imports: an optional reference, never a dependency
     try:
-        import bitsandbytes.functional as bnbf  # optional reference; never a dependency
+        import bitsandbytes.functional as bnbf
     except Exception:  # noqa: BLE001 - any import failure means "not available"
-        bnbf = None
+        pass
     n = args.numel
     blocks = [int(b) for b in args.blocks.split(",")]
     schemes = [get(s).name for s in args.schemes.split(",")] if args.schemes else list(SCHEMES)
