@@ -196,7 +196,8 @@ class StepClock:
     ``module_exit`` before they are released, so enter -> exit is that module's compute (every module with
     parameters is a leaf in build_model). Backward: a hook registered on each such module's output after the
     coordinator's own (which gathers the parameters) marks the start of its backward, and a hook on its
-    inputs' gradients marks the end. Compute is the sum of these windows; the rest of forward + backward is
+    inputs' gradients marks the end. Compute is the sum of these windows (a checkpointed block's forward,
+    recomputed inside its first backward window, is not counted twice); the rest of forward + backward is
     waiting (reads from the nvme tier, gathers, gradient reduction and writes), and the optimizer step is
     timed on its own."""
 
@@ -205,6 +206,7 @@ class StepClock:
 
         self.compute = 0.0  # seconds in the current step
         self._enter = None
+        self._open = 0  # backward windows open now (a checkpointed block's recomputation runs inside one)
         self._torch = torch
         self._sub = opt.coordinator.subscribe(self)
         self._handles = [m.register_forward_hook(self._after_forward) for m in model.modules()
@@ -215,9 +217,9 @@ class StepClock:
         self._enter = time.perf_counter()
 
     def module_exit(self, module, index, entry) -> None:
-        if self._enter is not None:
+        if self._enter is not None and not self._open:  # a forward recomputed inside a backward window: counted there
             self.compute += time.perf_counter() - self._enter
-            self._enter = None
+        self._enter = None
 
     def __getattr__(self, name):  # the other events: nothing to do
         if name in ("forward_begin", "forward_end", "backward_begin", "backward_visit", "backward_end"):
@@ -235,10 +237,13 @@ class StepClock:
         box = {}
 
         def start(grad):
+            if "t" not in box:
+                self._open += 1
             box["t"] = time.perf_counter()
 
         def end(grad):
             if "t" in box:
+                self._open -= 1
                 self.compute += time.perf_counter() - box.pop("t")
 
         # Plain tensor hooks, held by the tensors alone: under torch.utils.checkpoint a block's first forward
@@ -250,6 +255,7 @@ class StepClock:
     def take(self) -> float:
         """The compute seconds since the last take(); called once per step."""
         c, self.compute = self.compute, 0.0
+        self._open = 0  # a window whose end never fired (no gradient reached the input) closes with the step
         return c
 
     def close(self) -> None:
