@@ -40,6 +40,8 @@ from ..tiers import tier_info
 from . import _dist, keys
 from ._layout import Layout
 from .config import OffloadConfig
+from .disk_bytes import KINDS, DiskBytes
+from .grad_partitions import GradPartitions
 from .hooks import ParamCoordinator
 from .skipped import SkippedParams
 from .state8 import EightBitStates, fused8_capable
@@ -111,6 +113,10 @@ class OptimizerStats:
     # sub-group steps on this rank that left some of its elements alone, their parameters having had no gradient
     # ([Note: skipped parameters])
     partly_skipped: int
+    # bytes read from / written to the nvme tier since construction, by kind ("params", "grads", "master",
+    # "states"; 8-bit states as stored) -- [Note: disk bytes by kind] in disk_bytes.py
+    disk_read: dict[str, int]
+    disk_written: dict[str, int]
 
 
 class Zero3Optimizer(torch.optim.Optimizer):
@@ -212,12 +218,12 @@ class Zero3Optimizer(torch.optim.Optimizer):
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self._constructing = False
         self.param_groups = self.inner.param_groups  # the same dicts: LR schedulers drive the inner optimizer
-        self._grad_stats: dict[int, tuple[float, bool]] = {}  # gid -> (sum of squares, all finite)
         self._clip_coef = 1.0
         self._scaler = _LossScaler(cdt == torch.float16, config.initial_loss_scale, config.loss_scale_window,
                                    config.min_loss_scale)
         # -- the step's parts: buffers, 8-bit states, skipped parameters, the sub-group stepper ------------
         buffers = BufferPool(self.device, 2 * config.pipeline_depth)
+        self._disk = DiskBytes(self.store)  # [Note: disk bytes by kind]
         # threads of the (de)quantization kernels on the pipeline's helper threads: None = the kernel's own
         # default (all cores). One thread each, to leave the compute its cores, made 8-bit steps slower
         # (bench/README.md, "Why the code is as it is").
@@ -228,13 +234,17 @@ class Zero3Optimizer(torch.optim.Optimizer):
             optimizer_class, self.inner.param_groups, self.device)
         self._stepper = SubgroupStepper(self.store, config, self.inner, self._placeholder, self._gid_group,
                                         self._templates, self._states8, self._skipped, buffers,
-                                        shared_master=self._shared_master, fused8=fused8, device=self.device)
+                                        shared_master=self._shared_master, fused8=fused8, device=self.device,
+                                        disk=self._disk)
+        # [Note: persistent gradient partitions] in grad_partitions.py
+        self._grads = GradPartitions(self.store, config.gradients, self.layout, buffers, self._disk)
         self.steps = 0
         self.coordinator = ParamCoordinator(
-            model, self.layout, self._params, self._fetch_param_shard, self._accumulate_grad, device=self.device,
+            model, self.layout, self._params, self._fetch_param_shard, self._grads, device=self.device,
             group=process_group, quantized_weights=config.quantized_weights and self.world_size > 1,
             quantized_gradients=config.quantized_gradients and self.world_size > 1,
-            intra_node_size=config.intra_node_size, prefetch_depth=config.prefetch_depth)
+            intra_node_size=config.intra_node_size, prefetch_depth=config.prefetch_depth,
+            lend_shard=self._lend_param_shard)
         for gid in range(len(self.layout.subgroups)):
             self.coordinator.release(gid)
         for _name, p in self._params.items():
@@ -370,18 +380,29 @@ class Zero3Optimizer(torch.optim.Optimizer):
             raise
 
     # -- store access --------------------------------------------------------------------------------------
-    def _fetch_param_shard(self, gid: int) -> torch.Tensor:
+    def _lend_param_shard(self, gid: int):
+        """The store's own copy of `gid`'s parameter shard when it is on a memory tier on the compute device,
+        held (resident) until the returned function is called; None otherwise ([Note: gathering at world
+        size 1] in hooks.py)."""
         if self._shared_master and self.layout.group_of(gid).trainable:
-            return self.store.get(keys.master(gid))
-        return self.store.get(keys.param(gid))
+            name, tier = keys.master(gid), self.config.optimizer_states
+        else:
+            name, tier = keys.param(gid), self.config.params
+        t = self.store.tensor(name)
+        if not tier_info(tier).memory or tier not in t.tiers or t.dtype != self.layout.bucket(gid).dtype:
+            return None
+        cm = t.resident(tier)
+        x = cm.__enter__()
+        if x.device != self.device or not x.is_contiguous():
+            cm.__exit__(None, None, None)
+            return None
+        return x, lambda: cm.__exit__(None, None, None)
 
-    def _accumulate_grad(self, gid: int, shard: torch.Tensor) -> None:
-        name = keys.grad(gid)
-        if gid in self._grad_stats and name in self.store:
-            shard = self.store.get(name).add_(shard)
-        self.store.put(name, shard, tier=self.config.gradients)
-        sq = float(torch.linalg.vector_norm(shard, dtype=torch.float64) ** 2)
-        self._grad_stats[gid] = (sq, math.isfinite(sq))
+    def _fetch_param_shard(self, gid: int) -> torch.Tensor:
+        name = keys.master(gid) if self._shared_master and self.layout.group_of(gid).trainable else keys.param(gid)
+        shard = self.store.get(name)
+        self._disk.count(name, write=False, kind="params")
+        return shard
 
     # -- the step ------------------------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -400,11 +421,12 @@ class Zero3Optimizer(torch.optim.Optimizer):
         """A snapshot of the step's counters (see OptimizerStats)."""
         return OptimizerStats(steps=self.steps, overflow_skips=self._scaler.skipped, loss_scale=self._scaler.scale,
                               quantized_states=len(self._states8.packed), fused_steps=self._stepper.fused_steps,
-                              partly_skipped=self._skipped.partly_skipped)
+                              partly_skipped=self._skipped.partly_skipped,
+                              disk_read={k: self._disk.read[k] for k in KINDS},
+                              disk_written={k: self._disk.written[k] for k in KINDS})
 
     def _global_grad_stats(self) -> tuple[float, bool]:
-        sq = sum(s for s, _f in self._grad_stats.values())
-        bad = sum(0 if f else 1 for _s, f in self._grad_stats.values())
+        sq, bad = self._grads.sum_squares()
         t = torch.tensor([sq if math.isfinite(sq) else 0.0, float(bad)], dtype=torch.float64)
         _dist.all_reduce_sum(t, self.group)
         return float(t[0]), bool(t[1] > 0)
@@ -427,7 +449,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._grad_stats:  # no backward since zero_grad(): like torch, nothing to do
+        if not self._grads:  # no backward since zero_grad(): like torch, nothing to do
             return loss
         if self._scaler.enabled:
             _sq, overflow = self._global_grad_stats()
@@ -446,10 +468,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradient partitions (and any full .grad left on the model)."""
-        for gid in list(self._grad_stats):
-            if keys.grad(gid) in self.store:
-                self.store.delete(keys.grad(gid))
-        self._grad_stats.clear()
+        self._grads.clear()  # the partitions' memory is kept ([Note: persistent gradient partitions])
         self._clip_coef = 1.0
         self.coordinator.clear_grad_flags()
         for p in self._params.values():
@@ -460,7 +479,11 @@ class Zero3Optimizer(torch.optim.Optimizer):
     def gathered(self):
         """`with opt.gathered():` every parameter of the model holds its full value (collective: every
         rank enters). Changes made inside are not written back; use for evaluation or export."""
-        self.coordinator.gather(range(len(self.layout.subgroups)))
+        self.coordinator.views = False  # copies: changes made inside stay there ([Note: gathering at world size 1])
+        try:
+            self.coordinator.gather(range(len(self.layout.subgroups)))
+        finally:
+            self.coordinator.views = True
         try:
             yield self.model
         finally:

@@ -1,0 +1,116 @@
+"""What the training step does not do: copies at world size 1 ([Note: gathering at world size 1] in hooks.py,
+[Note: gradient bytes copied once] in gradient_reducer.py), fresh gradient partitions each step ([Note:
+persistent gradient partitions] in grad_partitions.py), and the disk bytes it reports by kind ([Note: disk
+bytes by kind] in disk_bytes.py)."""
+from __future__ import annotations
+
+import torch
+
+from tests.support.models import Deep, batches, loss_fn, make_pair
+from tests.support.zero import cfg
+from tierstore.zero import Zero3Optimizer, keys
+
+
+def _storage_range(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.data_ptr() + s.nbytes()
+
+
+def test_world1_gathered_parameters_are_views_of_the_stored_shard(tmp_path):
+    torch.manual_seed(0)
+    m = Deep(layers=3, width=64)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(tmp_path, params="host", states="host",
+                                                                    sub_group_bytes=64 * 64 * 4 + 256))
+    seen = []
+    h = m.layers[1].register_forward_pre_hook(lambda mod, args: seen.append(mod.weight.data_ptr()))
+    try:
+        m(torch.randn(4, 64)).sum().backward()
+        gid = opt.layout.param_gids["layers.1.weight"][0]
+        # fp32 with params on the states' tier: the gathered bucket is the master itself ([Note: shared master])
+        with opt.store.tensor(keys.master(gid)).resident("host") as master:
+            lo, hi = _storage_range(master)
+        assert lo <= seen[0] < hi, "the gathered weight is a copy, not a view of the stored shard"
+        assert not opt.coordinator.stats().buckets_held  # released after use: the lent shard went back
+        opt.step()
+        opt.zero_grad()
+        # gathered() still gives copies: changes made inside it are not written back
+        with opt.gathered():
+            w = m.layers[1].weight.detach().clone()
+            m.layers[1].weight.data.add_(1.0)
+        with opt.gathered():
+            assert torch.equal(m.layers[1].weight, w)
+    finally:
+        h.remove()
+        opt.close()
+
+
+def test_world1_gradient_partitions_are_kept_and_reused(tmp_path):
+    m, ref = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path, params="host", states="host"))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ptrs = []
+    try:
+        for x, y in batches(3):
+            for model, o in ((m, opt), (ref, ref_opt)):
+                loss_fn(model, x, y).backward()
+                o.step()
+                o.zero_grad()
+            with opt.store.tensor(keys.grad(0)).resident("host") as g:
+                ptrs.append(g.data_ptr())
+        assert len(set(ptrs)) == 1, "a new gradient partition was allocated for a later step"
+        for n, p in ref.named_parameters():
+            assert torch.equal(opt.full_state_dict()[n], p.detach()), n
+    finally:
+        opt.close()
+
+
+def test_accumulation_into_kept_partitions_is_exact(tmp_path):
+    """Two micro-batches per step, gradients on host (added in place) and on nvme (read, added, written):
+    bit-equal to torch's accumulation; zero_grad() forgets what the kept partition held."""
+    for grads in ("host", "nvme"):
+        m, ref = make_pair()
+        opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path / grads, params="host", states="host",
+                                                                     grads=grads))
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        try:
+            data = batches(4)
+            for i in range(0, 4, 2):
+                for model, o in ((m, opt), (ref, ref_opt)):
+                    for x, y in data[i:i + 2]:
+                        loss_fn(model, x, y).backward()
+                    o.step()
+                    o.zero_grad()
+            full = opt.full_state_dict()
+            for n, p in ref.named_parameters():
+                assert torch.equal(full[n], p.detach()), (grads, n)
+        finally:
+            opt.close()
+
+
+def test_disk_bytes_by_kind_match_the_store_and_the_sizes(tmp_path):
+    torch.manual_seed(0)
+    m = Deep(layers=2, width=64)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(tmp_path, params="nvme", states="nvme",
+                                                                    grads="nvme", prefetch_depth=0))
+    try:
+        x = torch.randn(4, 64)
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        before, nv0 = opt.stats(), opt.store.stats()["nvme"]
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        after, nv1 = opt.stats(), opt.store.stats()["nvme"]
+        read = {k: after.disk_read[k] - before.disk_read[k] for k in after.disk_read}
+        written = {k: after.disk_written[k] - before.disk_written[k] for k in after.disk_written}
+        assert sum(read.values()) == nv1["bytes_out"] - nv0["bytes_out"]
+        assert sum(written.values()) == nv1["bytes_in"] - nv0["bytes_in"]
+        shard = sum(opt.layout.shard_numel(g) for g in opt.layout.trainable_gids()) * 4  # bytes, fp32
+        # fp32 and params with the states: the master is the parameter shard ([Note: shared master])
+        assert written == {"params": 0, "grads": shard, "master": shard, "states": written["states"]}
+        assert written["states"] >= 2 * shard  # exp_avg, exp_avg_sq (and the step counts)
+        assert read["grads"] == shard and read["master"] == shard and read["states"] == written["states"]
+        assert read["params"] >= 2 * shard  # gathered for forward and again for backward
+    finally:
+        opt.close()

@@ -1,0 +1,110 @@
+"""This rank's fp32 gradient partitions between backward and step: where the reductions accumulate, and the
+sum of squares the clipping and the fp16 overflow check read.
+
+[Note: persistent gradient partitions]
+A gradient partition is written once per backward (and added to on later micro-batches of an accumulation),
+so it is kept where it lives and reused rather than made afresh:
+- on a memory tier (host / device) it is one tensor of the store per sub-group, created by the first
+  reduction and never deleted: zero_grad() only forgets that it holds anything, and the next reduction
+  writes into it in place (``open`` enters ``resident()``: no allocation, no copy in or out). The step
+  reads it in place too ([Note: in place on memory tiers] in stepper.py);
+- on nvme the reduction builds it in a recycled buffer (the earlier micro-batches' sum read into it first)
+  and writes it with one put.
+``open(gid)`` says whether the partition is *fresh* (nothing accumulated since zero_grad()): the writer then
+overwrites it (copy) instead of adding (the zero it would add to is never written). The sum of squares of
+each partition is computed when a reader asks (clip_grad_norm_, the fp16 overflow check) for partitions on
+a memory tier -- a step that does not clip reads its gradients once -- and while the buffer is at hand for
+nvme ones (reading them back just for the norm would double the gradients' disk reads).
+"""
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager
+
+import torch
+
+from ..tiers import tier_info
+from . import keys
+from ._layout import Layout
+from .disk_bytes import DiskBytes
+
+
+class GradPartitions:
+    """The gradient partitions of one rank on tier `tier`. See [Note: persistent gradient partitions]."""
+
+    def __init__(self, store, tier: str, layout: Layout, buffers, disk: DiskBytes):
+        self.store = store
+        self.disk = disk  # [Note: disk bytes by kind]
+        self.tier = tier
+        self.layout = layout
+        self.buffers = buffers  # BufferPool of CPU buffers, for the nvme tier
+        self.memory = tier_info(tier).memory
+        # gid -> sum of squares of its partition, None: not computed yet. Insertion order = reduction order.
+        self.sq: dict[int, float | None] = {}
+        self._open: dict[int, AbstractContextManager] = {}
+
+    def __contains__(self, gid: int) -> bool:
+        """Whether partition `gid` holds gradient accumulated since clear()."""
+        return gid in self.sq
+
+    def __bool__(self) -> bool:
+        return bool(self.sq)
+
+    def open(self, gid: int) -> tuple[torch.Tensor, bool]:
+        """(partition `gid` to write into, fresh). Fresh: nothing accumulated since clear(); overwrite it
+        (its contents are stale), else add to it. Call close(gid, partition) after."""
+        fresh = gid not in self.sq
+        name = keys.grad(gid)
+        n = self.layout.shard_numel(gid)
+        if self.memory:
+            if name not in self.store:
+                self.store.put(name, torch.empty(n, dtype=torch.float32), tier=self.tier)
+            cm = self.store.tensor(name).resident(self.tier, writeback=False)
+            part = cm.__enter__()
+            self._open[gid] = cm
+            return part, fresh
+        buf = self.buffers.take(n, torch.float32)
+        if not fresh:
+            self.store.get(name, out=buf)
+            self.disk.count(name, write=False)
+        return buf, fresh
+
+    def close(self, gid: int, part: torch.Tensor) -> None:
+        """Partition `gid` (from open) now holds the accumulated gradient."""
+        if self.memory:
+            self.sq[gid] = None  # computed when asked for (sum_squares)
+            self._open.pop(gid).__exit__(None, None, None)
+            return
+        try:
+            self.sq[gid] = _sum_squares(part)
+            self.store.put(keys.grad(gid), part, tier=self.tier)
+            self.disk.count(keys.grad(gid), write=True)
+        finally:
+            self.buffers.give(part)
+
+    def abort(self, gid: int) -> None:
+        """open() was not followed by a write (an error): leave it as it was."""
+        cm = self._open.pop(gid, None)
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+    def sum_squares(self) -> tuple[float, int]:
+        """(sum over partitions of their squared L2 norm, partitions with a non-finite value)."""
+        total, bad = 0.0, 0
+        for gid, sq in self.sq.items():
+            if sq is None:
+                with self.store.tensor(keys.grad(gid)).resident(self.tier) as part:
+                    sq = self.sq[gid] = _sum_squares(part)
+            if math.isfinite(sq):
+                total += sq
+            else:
+                bad += 1
+        return total, bad
+
+    def clear(self) -> None:
+        """zero_grad(): forget what the partitions hold (their memory is kept for the next backward)."""
+        self.sq.clear()
+
+
+def _sum_squares(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2)
