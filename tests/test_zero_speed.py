@@ -4,6 +4,7 @@ persistent gradient partitions] in grad_partitions.py), and the disk bytes it re
 bytes by kind] in disk_bytes.py)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.support.models import Deep, batches, loss_fn, make_pair
@@ -112,5 +113,96 @@ def test_disk_bytes_by_kind_match_the_store_and_the_sizes(tmp_path):
         assert written["states"] >= 2 * shard  # exp_avg, exp_avg_sq (and the step counts)
         assert read["grads"] == shard and read["master"] == shard and read["states"] == written["states"]
         assert read["params"] >= 2 * shard  # gathered for forward and again for backward
+    finally:
+        opt.close()
+
+
+# -- the overlapped step ([Note: overlapped step] in optimizer.py) ---------------------------------------------
+def _train(opt, model, data, *, micro=1, clip=None, ref=False):
+    """Steps of `micro` micro-batches each; accumulating() around all but the last (tierstore)."""
+    norms = []
+    for i in range(0, len(data), micro):
+        for j, (x, y) in enumerate(data[i:i + micro]):
+            if ref or j == micro - 1:
+                loss_fn(model, x, y).backward()
+            else:
+                with opt.accumulating():
+                    loss_fn(model, x, y).backward()
+        if clip is not None:
+            norms.append(clip(opt))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def test_overlapped_step_is_exact_without_clipping(tmp_path):
+    for tiers in (("host", "host", "host"), ("nvme", "nvme", "nvme")):
+        for micro in (1, 2):
+            m, ref = make_pair()
+            opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, config=cfg(
+                tmp_path / f"{tiers[0]}{micro}", *tiers, overlap_step=True))
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+            try:
+                data = batches(6)
+                _train(opt, m, data, micro=micro)
+                _train(ref_opt, ref, data, micro=micro, ref=True)
+                full = opt.full_state_dict()
+                for n, p in ref.named_parameters():
+                    assert torch.equal(full[n], p.detach()), (tiers, micro, n)
+                st = opt.stats()
+                assert st.steps == 6 // micro
+                # every complete bucket was stepped during backward, none of the accumulating micro-batches'
+                assert st.overlapped > 0 and st.overlapped % st.steps == 0
+                if tiers[2] == "nvme":  # without accumulation the gradients never went to the disk
+                    assert (st.disk_written["grads"] == 0) == (micro == 1)
+            finally:
+                opt.close()
+
+
+def test_overlapped_step_clips_with_the_previous_norm(tmp_path):
+    m, ref = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path, "host", "nvme", "nvme", overlap_step=True,
+                                                                 clip_mode="previous_norm"))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    try:
+        norms = []
+        for x, y in batches(4):
+            loss_fn(m, x, y).backward()
+            norms.append(float(opt.clip_grad_norm_(0.05)))
+            opt.step()
+            opt.zero_grad()
+        coefs = [1.0] + [min(1.0, 0.05 / (t + 1e-6)) for t in norms[:-1]]
+        assert min(coefs) < 0.5  # the clipping did act
+        for (x, y), c in zip(batches(4), coefs):
+            loss_fn(ref, x, y).backward()
+            for p in ref.parameters():
+                p.grad.mul_(c)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        full = opt.full_state_dict()
+        for n, p in ref.named_parameters():
+            assert torch.equal(full[n], p.detach()), n
+    finally:
+        opt.close()
+
+
+def test_overlapped_step_refuses_what_it_cannot_honour(tmp_path):
+    from tierstore.errors import MisuseError, TierstoreValueError
+    with pytest.raises(TierstoreValueError, match="float16"):
+        cfg(tmp_path, overlap_step=True, compute_dtype=torch.float16)
+    with pytest.raises(TierstoreValueError, match="clip_mode"):
+        cfg(tmp_path, clip_mode="sometimes")
+    m, _ref = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path, "host", "host", "host", overlap_step=True))
+    try:
+        x, y = batches(1)[0]
+        loss_fn(m, x, y).backward()
+        with pytest.raises(MisuseError, match="previous_norm"):
+            opt.clip_grad_norm_(1.0)  # exact clipping: too late, sub-groups were stepped
+        opt.step()
+        opt.zero_grad()
+        with opt.accumulating():  # nothing stepped during this backward: exact clipping works
+            loss_fn(m, x, y).backward()
+        assert float(opt.clip_grad_norm_(1.0)) > 0
     finally:
         opt.close()

@@ -23,6 +23,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from ..errors import MisuseError
 from ..tiers import tier_info
 from . import keys
 from ._layout import Layout
@@ -42,6 +43,8 @@ class GradPartitions:
         # gid -> sum of squares of its partition, None: not computed yet. Insertion order = reduction order.
         self.sq: dict[int, float | None] = {}
         self._open: dict[int, AbstractContextManager] = {}
+        self.handed: dict[int, torch.Tensor] = {}  # gid -> nvme partition kept for the step, not written
+        self.stepped: set[int] = set()  # stepped during this backward ([Note: overlapped step] in optimizer.py)
 
     def __contains__(self, gid: int) -> bool:
         """Whether partition `gid` holds gradient accumulated since clear()."""
@@ -53,6 +56,11 @@ class GradPartitions:
     def open(self, gid: int) -> tuple[torch.Tensor, bool]:
         """(partition `gid` to write into, fresh). Fresh: nothing accumulated since clear(); overwrite it
         (its contents are stale), else add to it. Call close(gid, partition) after."""
+        if gid in self.stepped:
+            raise MisuseError(
+                f"sub-group {gid} received more gradient after OffloadConfig(overlap_step=True) had stepped it in "
+                f"this backward (a parameter of it got a second gradient, e.g. shared by two reentrant "
+                f"checkpointed regions); that step cannot be undone. Train this model with overlap_step=False")
         fresh = gid not in self.sq
         name = keys.grad(gid)
         n = self.layout.shard_numel(gid)
@@ -69,11 +77,18 @@ class GradPartitions:
             self.disk.count(name, write=False)
         return buf, fresh
 
-    def close(self, gid: int, part: torch.Tensor) -> None:
-        """Partition `gid` (from open) now holds the accumulated gradient."""
+    def close(self, gid: int, part: torch.Tensor, *, hand_over: bool = False) -> None:
+        """Partition `gid` (from open) now holds the accumulated gradient. `hand_over`: it is about to be
+        stepped ([Note: overlapped step] in optimizer.py): its sum of squares is taken now (the step scales it
+        in place), and on nvme it is kept for ``take`` instead of written."""
         if self.memory:
-            self.sq[gid] = None  # computed when asked for (sum_squares)
+            # computed when asked for (sum_squares), unless the step is about to scale it
+            self.sq[gid] = _sum_squares(part) if hand_over else None
             self._open.pop(gid).__exit__(None, None, None)
+            return
+        if hand_over:
+            self.sq[gid] = _sum_squares(part)
+            self.handed[gid] = part
             return
         try:
             self.sq[gid] = _sum_squares(part)
@@ -87,6 +102,10 @@ class GradPartitions:
         cm = self._open.pop(gid, None)
         if cm is not None:
             cm.__exit__(None, None, None)
+
+    def take(self, gid: int) -> torch.Tensor | None:
+        """The nvme partition kept by close(hand_over=True) (the caller gives it back to the buffers)."""
+        return self.handed.pop(gid, None)
 
     def sum_squares(self) -> tuple[float, int]:
         """(sum over partitions of their squared L2 norm, partitions with a non-finite value)."""
@@ -104,6 +123,10 @@ class GradPartitions:
     def clear(self) -> None:
         """zero_grad(): forget what the partitions hold (their memory is kept for the next backward)."""
         self.sq.clear()
+        self.stepped.clear()
+        for part in self.handed.values():
+            self.buffers.give(part)
+        self.handed.clear()
 
 
 def _sum_squares(t: torch.Tensor) -> float:

@@ -45,7 +45,7 @@ class PartitionSink(Protocol):
 
     def open(self, gid: int) -> tuple[torch.Tensor, bool]: ...
 
-    def close(self, gid: int, part: torch.Tensor) -> None: ...
+    def close(self, gid: int, part: torch.Tensor, *, hand_over: bool = False) -> None: ...
 
     def abort(self, gid: int) -> None: ...
 
@@ -117,9 +117,10 @@ class GradientReducer:
                 completed.append(gid)
         return completed
 
-    def reduce(self, gid: int) -> None:
+    def reduce(self, gid: int, *, hand_over: bool = False) -> None:
         """Reduce-scatter bucket `gid`'s gradient (zeros for parameters without one) into the partition. World
-        size 1: the gradients go straight into the partition ([Note: gradient bytes copied once])."""
+        size 1: the gradients go straight into the partition ([Note: gradient bytes copied once]).
+        `hand_over`: the partition is stepped next (sink.close's hand_over)."""
         b = self.layout.bucket(gid)
         sink = self.sink
         part, fresh = sink.open(gid)
@@ -139,7 +140,7 @@ class GradientReducer:
         except BaseException:
             sink.abort(gid)
             raise
-        sink.close(gid, part)
+        sink.close(gid, part, hand_over=hand_over)
         self.reduced.add(gid)
         # what went to the partition leaves .grad: a later arrival is then exactly the part still to reduce
         for piece in b.pieces:

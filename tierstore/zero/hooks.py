@@ -130,6 +130,9 @@ class ParamCoordinator:
         self._lend = lend_shard if self._world == 1 and not quantized_weights else None
         self._lent: dict[int, bool] = {}
         self.views = True  # False: gather copies even where a shard could be lent (gathered())
+        # world size 1: called with each bucket whose gradient became final (complete and reduced) during
+        # backward, to step it ([Note: overlapped step] in optimizer.py); None: nothing to do
+        self.on_final: Callable[[int], None] | None = None
         # -- prefetch ([Note: prefetch stages] in prefetch.py)
         # a lent shard is not read ahead: using it costs nothing
         self.prefetcher = Prefetcher(layout, fetch_shard,
@@ -416,8 +419,12 @@ class ParamCoordinator:
             if not self.residency.in_use(gid):
                 self.release(gid, local_only=True)
             if self._world == 1 and gid not in self.reducer.reduced:  # no collective: reduce right away
-                self.reducer.reduce(gid)
+                # final: stepped now, unless its bucket is still held (a forward running needs its values)
+                on_final = self.on_final if gid not in self.residency.live else None
+                self.reducer.reduce(gid, hand_over=on_final is not None)
                 self.eager_reductions += 1
+                if on_final is not None:
+                    on_final(gid)
 
     def _after_backward(self, token: _AfterBackward) -> None:
         """A hooked forward call's backward is over (the gradients of its inputs are complete). See

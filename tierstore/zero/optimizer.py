@@ -43,6 +43,7 @@ from .config import OffloadConfig
 from .disk_bytes import KINDS, DiskBytes
 from .grad_partitions import GradPartitions
 from .hooks import ParamCoordinator
+from .pipeline import StepStream
 from .skipped import SkippedParams
 from .state8 import EightBitStates, fused8_capable
 from .stepper import BufferPool, SubgroupStepper
@@ -117,6 +118,7 @@ class OptimizerStats:
     # "states"; 8-bit states as stored) -- [Note: disk bytes by kind] in disk_bytes.py
     disk_read: dict[str, int]
     disk_written: dict[str, int]
+    overlapped: int  # sub-group steps done during backward ([Note: overlapped step])
 
 
 class Zero3Optimizer(torch.optim.Optimizer):
@@ -244,7 +246,21 @@ class Zero3Optimizer(torch.optim.Optimizer):
             group=process_group, quantized_weights=config.quantized_weights and self.world_size > 1,
             quantized_gradients=config.quantized_gradients and self.world_size > 1,
             intra_node_size=config.intra_node_size, prefetch_depth=config.prefetch_depth,
-            lend_shard=self._lend_param_shard)
+            lend_shard=None if config.overlap_step else self._lend_param_shard)
+        # [Note: overlapped step]
+        self._next_clip: tuple[float, float] | None = None  # clip_mode="previous_norm": (max_norm, norm) of the
+        self._prev_clip: tuple[float, float] | None = None  # last clip_grad_norm_; ... of the one before this step
+        self._accumulating = 0
+        self._overlapped = 0  # sub-group steps done during backward (OptimizerStats)
+        self._stream: StepStream | None = None
+        if config.overlap_step and self.world_size == 1:
+            st = self._stepper
+            self._stream = StepStream(config.pipeline_depth, lambda it: st.load(it[0], self._grads.take(it[0])),
+                                      lambda it, t: st.step_loaded([t], it[1])[0], lambda it, t: st.save(t))
+            self.coordinator.on_final = self._step_final
+        elif config.overlap_step:
+            log.info("OffloadConfig(overlap_step=True) at world size %d: sub-groups are stepped in step(), after "
+                     "backward (the overlapped step is implemented at world size 1)", self.world_size)
         for gid in range(len(self.layout.subgroups)):
             self.coordinator.release(gid)
         for _name, p in self._params.items():
@@ -423,7 +439,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
                               quantized_states=len(self._states8.packed), fused_steps=self._stepper.fused_steps,
                               partly_skipped=self._skipped.partly_skipped,
                               disk_read={k: self._disk.read[k] for k in KINDS},
-                              disk_written={k: self._disk.written[k] for k in KINDS})
+                              disk_written={k: self._disk.written[k] for k in KINDS}, overlapped=self._overlapped)
 
     def _global_grad_stats(self) -> tuple[float, bool]:
         sq, bad = self._grads.sum_squares()
@@ -433,15 +449,76 @@ class Zero3Optimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients (all ranks, all sub-groups) to global L2 norm `max_norm` at the next step();
-        returns the total norm before clipping (unscaled), like torch.nn.utils.clip_grad_norm_."""
+        returns the total norm before clipping (unscaled), like torch.nn.utils.clip_grad_norm_. With
+        OffloadConfig(clip_mode="previous_norm") the norm is kept for the step after the next one ([Note:
+        overlapped step])."""
         if norm_type != 2.0:
             raise TierstoreValueError(f"norm_type={norm_type}: only the L2 norm (2.0) is supported")
+        previous = self.config.clip_mode == "previous_norm"
+        if self._grads.stepped and not previous:
+            raise MisuseError("clip_grad_norm_ after a backward that already stepped sub-groups "
+                              "(OffloadConfig(overlap_step=True)): their step cannot be clipped any more. Use "
+                              "OffloadConfig(clip_mode='previous_norm') to clip overlapped steps with the previous "
+                              "step's norm, or overlap_step=False for exact clipping")
         sq, overflow = self._global_grad_stats()
         total = math.sqrt(sq) / self._scaler.scale
         if overflow:
             total = float("inf")
-        self._clip_coef = min(1.0, max_norm / (total + 1e-6)) if math.isfinite(total) else 1.0
+        if previous:
+            self._next_clip = (max_norm, total)
+        else:
+            self._clip_coef = min(1.0, max_norm / (total + 1e-6)) if math.isfinite(total) else 1.0
         return torch.tensor(total)
+
+    # [Note: overlapped step]
+    # With OffloadConfig(overlap_step=True) at world size 1, a sub-group whose gradient is final -- every
+    # trainable parameter of its bucket has its gradient for this backward and the bucket is reduced -- is
+    # stepped right away: the coordinator hands it over (``on_final``) and StepStream (pipeline.py) loads its
+    # master and states on a reader thread, steps it on a compute thread and writes it back on a writer
+    # thread while backward goes on; on nvme its gradient partition goes from the reduction straight to the
+    # step, never to the disk ([Note: persistent gradient partitions] in grad_partitions.py). ``step()``
+    # waits for them and steps what backward left (buckets reduced at its end: some parameter without a
+    # gradient, or still held by a running forward). Only the backward of the last micro-batch steps: one
+    # run inside ``with opt.accumulating():`` only accumulates.
+    # What it changes: a step needs every clipping or overflow decision before the sub-groups are stepped,
+    # so float16 (the loss scaler) is refused, exact clipping after an overlapped backward raises, and
+    # clip_mode="previous_norm" clips every step with the max_norm and global norm of the clip_grad_norm_
+    # call of the step before (the first step is not clipped) -- exact when nothing is clipped. A sub-group
+    # that receives gradient after it was stepped (a parameter shared by two reentrant checkpointed regions)
+    # raises instead of being stepped twice. The parameters are gathered as copies in this mode (no lent
+    # shards, [Note: gathering at world size 1] in hooks.py), so what autograd saved in forward keeps the
+    # values the forward used. Not covered: a parameter gathered again later in the same backward after its
+    # gradient is final (a use that takes no gradient, on demand) reads the stepped value -- keep
+    # overlap_step off for such a model.
+
+    def _step_final(self, gid: int) -> None:
+        """The coordinator's on_final: step sub-group `gid` now, on the stream."""
+        self._grads.stepped.add(gid)
+        self._overlapped += 1
+        self._stream.submit((gid, self._step_coef()))  # type: ignore[union-attr]  # set with on_final
+
+    def _step_coef(self) -> float:
+        """What this step multiplies the gradients by (clipping, loss scale)."""
+        if self.config.clip_mode == "previous_norm":
+            if self._prev_clip is None:
+                return 1.0 / self._scaler.scale
+            max_norm, total = self._prev_clip
+            return (min(1.0, max_norm / (total + 1e-6)) if math.isfinite(total) else 1.0) / self._scaler.scale
+        return self._clip_coef / self._scaler.scale
+
+    @contextmanager
+    def accumulating(self):
+        """`with opt.accumulating(): loss.backward()` -- a micro-batch that is not the last of the step: its
+        backward only accumulates gradients, even with OffloadConfig(overlap_step=True) ([Note: overlapped
+        step]). Without overlap_step every backward only accumulates anyway."""
+        self._accumulating += 1
+        self.coordinator.on_final = None
+        try:
+            yield
+        finally:
+            self._accumulating -= 1
+            if self._accumulating == 0 and self._stream is not None:
+                self.coordinator.on_final = self._step_final
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -449,6 +526,9 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        stepped = self._grads.stepped
+        if self._stream is not None:
+            self._stream.wait()  # the sub-groups stepped during backward ([Note: overlapped step])
         if not self._grads:  # no backward since zero_grad(): like torch, nothing to do
             return loss
         if self._scaler.enabled:
@@ -458,16 +538,23 @@ class Zero3Optimizer(torch.optim.Optimizer):
                 self._clip_coef = 1.0
                 self.zero_grad()
                 return loss
-        coef = self._clip_coef / self._scaler.scale
+        coef = self._step_coef()
         # [Note: skipped parameters] in skipped.py: only sub-groups some parameter of which got a gradient
-        self._stepper.step(self._skipped.plan(self.coordinator.grad_names), coef)
+        plan = self._skipped.plan(self.coordinator.grad_names)
+        try:
+            self._stepper.step([g for g in plan if g not in stepped], coef)
+        finally:
+            self._skipped.runs = {}  # this step's: an overlapped step of the next one must not see them
         self._scaler.update(False)
         self._clip_coef = 1.0
+        self._prev_clip, self._next_clip = self._next_clip, None
         self.steps += 1
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradient partitions (and any full .grad left on the model)."""
+        if self._stream is not None:
+            self._stream.wait()  # nothing may still be stepping what is forgotten
         self._grads.clear()  # the partitions' memory is kept ([Note: persistent gradient partitions])
         self._clip_coef = 1.0
         self.coordinator.clear_grad_flags()
@@ -610,6 +697,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if getattr(self, "store", None) is None:
             return
         self.coordinator.remove()
+        if self._stream is not None:
+            self._stream.close()
         self._stepper.close()
         self.store.close(flush=False)
         self.store = None  # type: ignore[assignment]  # None marks it closed; a Store for as long as it is open

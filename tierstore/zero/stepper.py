@@ -164,13 +164,17 @@ class SubgroupStepper:
             return False
         return "step" in self.state_keys.get(gid, ()) and self.states8.fused_pair(gid)
 
-    def load(self, gid: int) -> LoadedSubgroup:
+    def load(self, gid: int, grad: torch.Tensor | None = None) -> LoadedSubgroup:
+        """Sub-group `gid`'s tensors; `grad`: its gradient partition, already at hand (a buffer of
+        ``buffers``, given back after the save), instead of read from the store."""
         cfg = self.config
         names = self.state_keys.get(gid, [])
-        roles = [("master", keys.master(gid), cfg.optimizer_states), ("grad", keys.grad(gid), cfg.gradients)]
+        roles = [("master", keys.master(gid), cfg.optimizer_states)]
+        if grad is None:
+            roles.append(("grad", keys.grad(gid), cfg.gradients))
         roles += [(k, keys.state(gid, k), cfg.optimizer_states) for k in names]
         stack = ExitStack()
-        got: dict[str, torch.Tensor] = {}
+        got: dict[str, torch.Tensor] = {} if grad is None else {"grad": grad}
         resident: set[str] = set()
         disk: list[tuple[str, str]] = []
         fused = False
