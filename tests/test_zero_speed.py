@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.support.models import Deep, batches, loss_fn, make_pair
-from tests.support.zero import cfg
+from tests.support.zero import cfg, max_rel
 from tierstore.zero import Zero3Optimizer, keys
 
 
@@ -204,5 +204,31 @@ def test_overlapped_step_refuses_what_it_cannot_honour(tmp_path):
         with opt.accumulating():  # nothing stepped during this backward: exact clipping works
             loss_fn(m, x, y).backward()
         assert float(opt.clip_grad_norm_(1.0)) > 0
+    finally:
+        opt.close()
+
+
+def test_norms_of_nvme_gradients_read_back_once_then_taken_at_hand(tmp_path):
+    """Gradients on nvme: the first clip_grad_norm_ reads them back (nobody had asked for norms), later
+    steps take the norm while the partition is at hand -- no extra disk read; the clipping matches torch."""
+    ref_m, z_m = make_pair()
+    ref = torch.optim.SGD(ref_m.parameters(), lr=0.1)
+    opt = Zero3Optimizer(z_m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path, "host", "host", "nvme"))
+    shard = sum(opt.layout.shard_numel(g) for g in opt.layout.trainable_gids()) * 4  # bytes, fp32
+    try:
+        reads = []
+        for x, y in batches(3):
+            before = opt.stats().disk_read["grads"]
+            norms = []
+            for m, o in ((ref_m, ref), (z_m, opt)):
+                loss_fn(m, x, y).backward()
+                clip = torch.nn.utils.clip_grad_norm_(ref_m.parameters(), 0.05) if o is ref else o.clip_grad_norm_(0.05)
+                norms.append(float(clip))
+                o.step()
+                o.zero_grad()
+            assert norms[0] == pytest.approx(norms[1], rel=1e-5) and norms[0] > 0.05
+            reads.append(opt.stats().disk_read["grads"] - before)
+        assert reads == [2 * shard, shard, shard]  # the step's read, plus the norm's the first time
+        assert max_rel(opt.full_state_dict(), ref_m) <= 1e-6
     finally:
         opt.close()

@@ -12,9 +12,10 @@ so it is kept where it lives and reused rather than made afresh:
   and writes it with one put.
 ``open(gid)`` says whether the partition is *fresh* (nothing accumulated since zero_grad()): the writer then
 overwrites it (copy) instead of adding (the zero it would add to is never written). The sum of squares of
-each partition is computed when a reader asks (clip_grad_norm_, the fp16 overflow check) for partitions on
-a memory tier -- a step that does not clip reads its gradients once -- and while the buffer is at hand for
-nvme ones (reading them back just for the norm would double the gradients' disk reads).
+each partition (clip_grad_norm_, the fp16 overflow check) is computed when a reader asks -- a step that does
+not clip reads its gradients once -- until one has asked: from then on (``eager``) it is computed while
+the partition is at hand, for nvme ones (where asking later means reading them back from the disk) and
+for a partition handed to an overlapped step (which scales it in place).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class GradPartitions:
         self._open: dict[int, AbstractContextManager] = {}
         self.handed: dict[int, torch.Tensor] = {}  # gid -> nvme partition kept for the step, not written
         self.stepped: set[int] = set()  # stepped during this backward ([Note: overlapped step] in optimizer.py)
+        self.eager = False  # sums of squares taken while the partition is at hand (someone reads them)
 
     def __contains__(self, gid: int) -> bool:
         """Whether partition `gid` holds gradient accumulated since clear()."""
@@ -81,17 +83,15 @@ class GradPartitions:
         """Partition `gid` (from open) now holds the accumulated gradient. `hand_over`: it is about to be
         stepped ([Note: overlapped step] in optimizer.py): its sum of squares is taken now (the step scales it
         in place), and on nvme it is kept for ``take`` instead of written."""
+        eager = self.eager and (hand_over or not self.memory)
+        self.sq[gid] = _sum_squares(part) if eager else None  # else computed when asked for (sum_squares)
         if self.memory:
-            # computed when asked for (sum_squares), unless the step is about to scale it
-            self.sq[gid] = _sum_squares(part) if hand_over else None
             self._open.pop(gid).__exit__(None, None, None)
             return
         if hand_over:
-            self.sq[gid] = _sum_squares(part)
             self.handed[gid] = part
             return
         try:
-            self.sq[gid] = _sum_squares(part)
             self.store.put(keys.grad(gid), part, tier=self.tier)
             self.disk.count(keys.grad(gid), write=True)
         finally:
@@ -109,11 +109,23 @@ class GradPartitions:
 
     def sum_squares(self) -> tuple[float, int]:
         """(sum over partitions of their squared L2 norm, partitions with a non-finite value)."""
+        self.eager = True
         total, bad = 0.0, 0
         for gid, sq in self.sq.items():
-            if sq is None:
+            if sq is None and gid in self.stepped:
+                raise MisuseError(f"the gradient of sub-group {gid} was stepped during backward before its norm "
+                                  f"was taken (OffloadConfig(overlap_step=True)); use clip_mode='previous_norm'")
+            if sq is None and self.memory:
                 with self.store.tensor(keys.grad(gid)).resident(self.tier) as part:
                     sq = self.sq[gid] = _sum_squares(part)
+            elif sq is None:  # read back once; from now on taken while the partition is at hand
+                buf = self.buffers.take(self.layout.shard_numel(gid), torch.float32)
+                try:
+                    self.store.get(keys.grad(gid), out=buf)
+                    self.disk.count(keys.grad(gid), write=False)
+                    sq = self.sq[gid] = _sum_squares(buf)
+                finally:
+                    self.buffers.give(buf)
             if math.isfinite(sq):
                 total += sq
             else:

@@ -240,6 +240,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
                                         disk=self._disk)
         # [Note: persistent gradient partitions] in grad_partitions.py
         self._grads = GradPartitions(self.store, config.gradients, self.layout, buffers, self._disk)
+        # norms read at every step: the fp16 overflow check, clipping with the previous norm
+        self._grads.eager = cdt == torch.float16 or config.clip_mode == "previous_norm"
         self.steps = 0
         self.coordinator = ParamCoordinator(
             model, self.layout, self._params, self._fetch_param_shard, self._grads, device=self.device,
