@@ -69,7 +69,7 @@ class GradPartitions:
         if self.memory:
             if name not in self.store:
                 self.store.put(name, torch.empty(n, dtype=torch.float32), tier=self.tier)
-            cm = self.store.tensor(name).resident(self.tier, writeback=False)
+            cm = self.store.tensor(name).resident(self.tier, writeback=True)
             part = cm.__enter__()
             self._open[gid] = cm
             return part, fresh
