@@ -265,8 +265,8 @@ class SubgroupStepper:
     # [Note: the inner step sees only what it steps]
     # torch's optimizers walk every parameter of every group on each step() (``_init_group``: is there a
     # grad, is the state there), so stepping sub-group by sub-group over groups holding one placeholder per
-    # sub-group costs O(sub-groups) per call and O(sub-groups^2) per step -- at 1B parameters in 8 MiB
-    # sub-groups, more than the fused kernel itself. For the call, each group's "params" lists only the
+    # sub-group costs O(sub-groups) per call and O(sub-groups^2) per step (544 sub-groups: 0.56 ms of
+    # ``_init_group`` per call before, 0.025 ms after, cProfile). For the call, each group's "params" lists only the
     # placeholders being stepped; the lists are put back after (the hyperparameters are the same dicts).
 
     def _inner_step(self, phs: list[torch.Tensor], groups: list[int]) -> None:
