@@ -12,7 +12,15 @@ Cases, interleaved A B A B in one run (see [Note: ratios, not lone numbers] in _
   fio_*     with fio on PATH: fio reading, writing, and doing both at once on the same bytes (1 MiB, depth
             32, io_uring, O_DIRECT) -- an independent view of whether this disk reads and writes at full
             speed at the same time, which the nvme target assumes
-Only step() is timed: gradients are produced once per optimizer and stepped on again each round.
+Only step() is timed: gradients are produced once per optimizer and stepped on again each round. The nvme
+cases' bytes per parameter per step on the disk, by kind (OptimizerStats.disk_read / disk_written), follow.
+Then the whole training step (forward + backward + step + zero_grad) of a stack of square Linear layers with
+about the same number of parameters (batch 16), interleaved the same way:
+  full_ref      torch AdamW(fused=True) in memory (the reference)
+  full_host     Zero3Optimizer, parameters, states and gradients on host
+  full_nvme     ... everything on nvme
+  full_overlap  ... everything on nvme, OffloadConfig(overlap_step=True): the step overlaps backward
+(--no-full skips them.)
 Targets (issue 6): host >= 0.9x ref; nvme <= 1.25x max(read, write, compute); nvme8 >= 1.6x faster than
 nvme; peak RSS growth during the nvme step <= pinned budget + 3 sub-groups (+10%).
 """
@@ -44,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=None, help="directory on the disk under test (default: a temp dir in .)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-fio", action="store_true", help="skip the fio reference")
+    p.add_argument("--no-full", action="store_true", help="skip the full training step cases")
+    p.add_argument("--width", type=int, default=1024, help="width of the full step's Linear layers")
 
 
 
@@ -138,6 +148,7 @@ def run(args) -> int:
             return dt
 
         raw_write()
+        full = {} if args.no_full else _full_step(args, root, n_total)
         peaks: dict[str, list[int]] = {}
 
         def step_of(name):
@@ -164,8 +175,10 @@ def run(args) -> int:
                         "fio_readwrite": [(rfile, "read"), (rfile2, "write")]}
             for name, jobs in fio_jobs.items():
                 cases[name] = lambda jobs=jobs: fio_wall(jobs, "io_uring", 1 << 20, 32, io_bytes)
+        disk0 = {n: opts[n].stats() for n in ("nvme", "nvme8")}
         with Progress(len(cases) * args.rounds, "bench optim") as prog:
             res = interleave(cases, args.rounds, prog)
+        disk1 = {n: opts[n].stats() for n in ("nvme", "nvme8")}
         med = {k2: v.median for k2, v in res.items()}
         disk = max(med["read"], med["write"], med["compute"])
         sg_state_bytes = sg_elems * 4 * 4  # bytes: master, gradient, exp_avg, exp_avg_sq of one sub-group
@@ -200,6 +213,14 @@ def run(args) -> int:
             ["peak RSS growth, nvme step", fmt_bytes(peak), f"{peak / bound * 1.1:.2f}x of pinned + 3 sub-groups",
              "<= 1.1x", "ok" if peak <= bound else "MISS"],
         ]
+        per_step = {}  # case -> {kind: (read, written) bytes per parameter per step}
+        for n in disk0:
+            steps = disk1[n].steps - disk0[n].steps
+            per_step[n] = {kd: ((disk1[n].disk_read[kd] - disk0[n].disk_read[kd]) / steps / n_total,
+                                (disk1[n].disk_written[kd] - disk0[n].disk_written[kd]) / steps / n_total)
+                           for kd in disk1[n].disk_read}
+            rows.append([f"{n}: disk bytes / param / step, read | written", "",
+                         ", ".join(f"{kd} {r:.2f} | {w:.2f}" for kd, (r, w) in per_step[n].items()), "(info)", ""])
         print_table(f"bench optim: N={n_total:,} fp32 params in {k} tensors, {subgroups} sub-groups of "
                     f"{fmt_bytes(sg_elems * 4)}, median of {args.rounds} rounds (ms)",
                     ["case", "ms", "ratio", "target", ""], rows,
@@ -207,7 +228,8 @@ def run(args) -> int:
                             f"(fp32: {sg_elems * 4:,})")
         write_json(args.json, {"params": n_total, "subgroups": subgroups, "median_s": med,
                                "samples": {k2: v.seconds for k2, v in res.items()}, "peak_rss_nvme": peaks,
-                               "peak_bound": bound, "io_bytes": io_bytes})
+                               "peak_bound": bound, "io_bytes": io_bytes, "disk_bytes_per_param_step": per_step,
+                               "full_step": full})
         from .plot import Panel, Series, png_path, save_png
         names = [n for n in res if n != "ref"]
         print(save_png(png_path(args.json, None), f"tierstore bench optim: {n_total / 1e6:.0f}M fp32 parameters", [
@@ -220,3 +242,70 @@ def run(args) -> int:
         return 0
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _full_step(args, root: str, n_total: int) -> dict:
+    """The whole training step, alternated (see the module's docstring); prints its table, returns its figures."""
+    import os
+    import statistics
+    import time
+
+    import torch
+    import torch.nn as nn
+
+    from ..zero import OffloadConfig, Zero3Optimizer
+
+    width = args.width
+    layers = max(1, round(n_total / (width * width)))
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())])
+
+    def zero(tier: str, **kw):
+        m = build()
+        cfg = OffloadConfig(params=tier, optimizer_states=tier, gradients=tier, sub_group_bytes=args.sub_group,
+                            pinned_bytes=args.pinned, nvme_paths=[os.path.join(root, f"full-{tier}-{len(kw)}")],
+                            **kw)
+        return m, Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, fused=True, config=cfg)
+
+    ref_m = build()
+    models = {"full_ref": (ref_m, torch.optim.AdamW(ref_m.parameters(), lr=1e-3, fused=True)),
+              "full_host": zero("host"), "full_nvme": zero("nvme"), "full_overlap": zero("nvme", overlap_step=True)}
+    x = torch.randn(16, width)
+    split: dict[str, list[tuple[float, float]]] = {n: [] for n in models}
+
+    def case(name):
+        m, o = models[name]
+
+        def run():
+            t0 = time.perf_counter()
+            m(x).square().mean().backward()
+            t1 = time.perf_counter()
+            o.step()
+            o.zero_grad()
+            t2 = time.perf_counter()
+            split[name].append((t1 - t0, t2 - t1))
+            return t2 - t0
+        return run
+
+    cases = {n: case(n) for n in models}
+    for fn in cases.values():
+        fn()  # the states exist from here on
+    for v in split.values():
+        v.clear()
+    with Progress(len(cases) * args.rounds, "bench optim: full step") as prog:
+        res = interleave(cases, args.rounds, prog)
+    med = {n: v.median for n, v in res.items()}
+    fb = {n: statistics.median(a for a, _b in split[n]) for n in split}
+    st = {n: statistics.median(b for _a, b in split[n]) for n in split}
+    rows = [[n, f"{fb[n] * 1e3:.1f}", f"{st[n] * 1e3:.1f}", f"{med[n] * 1e3:.1f}", f"{med[n] / med['full_ref']:.2f}x"]
+            for n in models]
+    print_table(f"full training step: {layers} x Linear({width}, {width}) ({layers * width * (width + 1):,} params), "
+                f"batch 16, median of {args.rounds} rounds (ms); load average {os.getloadavg()[0]:.1f}",
+                ["case", "fwd+bwd", "step", "full", "full / torch"], rows)
+    out = {"fwd_bwd_s": fb, "step_s": st, "full_s": med, "layers": layers, "width": width}
+    for _m, o in models.values():
+        if isinstance(o, Zero3Optimizer):
+            o.close()
+    return out

@@ -63,15 +63,19 @@ def all_gather_async(shard: torch.Tensor, out: torch.Tensor, group=None, *, quan
 
 
 def reduce_scatter_avg(full: torch.Tensor, group=None, *, quantized: bool = False,
-                       intra_node_size: int | None = None) -> torch.Tensor:
-    """This rank's shard (fp32) of the mean over ranks of `full` (fp32, numel divisible by world)."""
+                       intra_node_size: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's shard (fp32) of the mean over ranks of `full` (fp32, numel divisible by world), written
+    into `out` when given (fp32, contiguous, numel / world elements; not with `quantized`)."""
     world, _ = world_and_rank(group)
     if world == 1:
-        return full.to(torch.float32, copy=True)
+        return full.to(torch.float32, copy=True) if out is None else out.copy_(full)
     if quantized:
+        if out is not None:
+            raise ValueError("reduce_scatter_avg(quantized=True) makes its own output; out= is not supported")
         from ..quant.collectives import reduce_scatter_quantized
         return reduce_scatter_quantized(full, group, intra_node_size=intra_node_size, scheme="int4", op="avg")
-    out = torch.empty(full.numel() // world, dtype=torch.float32, device=full.device)
+    if out is None:
+        out = torch.empty(full.numel() // world, dtype=torch.float32, device=full.device)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, full.to(torch.float32).contiguous(), group=group)
     return out.div_(world)

@@ -43,6 +43,7 @@ class BucketResidency:
         self.device = device
         self._group_of = {n: gl for gl in layout.groups for n in gl.names}
         self.live: dict[int, torch.Tensor] = {}  # gid -> gathered bucket this rank holds
+        self._on_release: dict[int, Callable[[], None]] = {}  # gid -> give a lent shard back (hooks.py)
         self.protocol: set[int] = set()  # gids every rank counts as gathered ([Note: backward gathers])
         self.users: dict[int, int] = {}  # gid -> running hooked calls needing it
         self.frozen_left: dict[int, int] = {}  # frozen gid -> entries whose backward has not finished
@@ -56,10 +57,13 @@ class BucketResidency:
         return e
 
     # -- held -------------------------------------------------------------------------------------------
-    def add(self, gid: int, full: torch.Tensor) -> None:
-        """`full` is bucket `gid` gathered (call `materialize` once every bucket of the batch is added)."""
+    def add(self, gid: int, full: torch.Tensor, on_release: Callable[[], None] | None = None) -> None:
+        """`full` is bucket `gid` gathered (call `materialize` once every bucket of the batch is added);
+        `on_release` is called when it is released (a shard lent by the store goes back)."""
         self.live[gid] = full
         self.protocol.add(gid)
+        if on_release is not None:
+            self._on_release[gid] = on_release
 
     def materialize(self, gid: int) -> None:
         """Point the parameters with a run in `gid` at their values (those whose buckets are all held)."""
@@ -91,6 +95,9 @@ class BucketResidency:
         b = self.layout.bucket(gid)
         for piece in b.pieces:
             self.params[piece.name].data = self.empty(b.dtype)
+        done = self._on_release.pop(gid, None)
+        if done is not None:
+            done()
 
     def release_unused(self) -> None:
         """Release every held bucket no running call needs."""

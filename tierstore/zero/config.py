@@ -22,6 +22,7 @@ log = logging.getLogger("tierstore.zero")
 
 STATE_CODECS = (None, "dynamic8")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CLIP_MODES = ("exact", "previous_norm")
 
 
 @dataclass
@@ -49,6 +50,13 @@ class OffloadConfig:
     pinned_bytes: page-locked staging budget the nvme tier streams through (bytes).
     pipeline_depth: sub-groups in flight in the step (read i+1, step i, write i-1 is 3).
     initial_loss_scale, loss_scale_window, min_loss_scale: fp16 dynamic loss scaling.
+    overlap_step: step each sub-group during backward, as soon as its gradient is final, on the step
+        pipeline's threads (world size 1; the backward of the last micro-batch, i.e. outside
+        ``opt.accumulating()``); ``opt.step()`` then finishes the step. See [Note: overlapped step] in
+        optimizer.py. Not with float16 (the loss scaler needs every gradient before any step).
+    clip_mode: "exact" (clip_grad_norm_ after backward, applied by the next step(); refused once a backward
+        stepped sub-groups with overlap_step) or "previous_norm" (with overlap_step: each step clips with the
+        max_norm and the global norm the previous clip_grad_norm_ call gave; the first step is not clipped).
     """
 
     params: str = "device"
@@ -69,6 +77,8 @@ class OffloadConfig:
     min_loss_scale: float = 1.0
     intra_node_size: int | None = None  # qgZ: ranks per node (default: all)
     hpz_partition_size: int | str = 1  # hpZ: ranks per secondary partition (1: off; 'node': ranks per node)
+    overlap_step: bool = False
+    clip_mode: str = "exact"
     extra: dict = field(default_factory=dict)  # keys from_deepspeed could not map, kept for reference
 
     def __post_init__(self) -> None:
@@ -95,6 +105,14 @@ class OffloadConfig:
         if h != "node" and (not isinstance(h, int) or isinstance(h, bool) or h < 1):
             raise TierstoreValueError(f"OffloadConfig(hpz_partition_size={h!r}): an integer >= 1 (1: hpZ off) that "
                                       f"divides the world size, or 'node'")
+        if self.clip_mode not in CLIP_MODES:
+            raise TierstoreValueError(f"OffloadConfig(clip_mode={self.clip_mode!r}): use one of {CLIP_MODES}")
+        if not isinstance(self.overlap_step, bool):
+            raise TierstoreValueError(f"OffloadConfig(overlap_step={self.overlap_step!r}): True or False")
+        if self.overlap_step and self.compute_dtype == torch.float16:
+            raise TierstoreValueError("OffloadConfig(overlap_step=True) with compute_dtype=torch.float16: the fp16 "
+                                      "loss scaler must see every gradient (overflow) before any sub-group is "
+                                      "stepped; use bfloat16, or overlap_step=False")
         if not self.initial_loss_scale > 0 or not self.min_loss_scale > 0:
             raise TierstoreValueError("OffloadConfig: initial_loss_scale and min_loss_scale must be > 0")
 

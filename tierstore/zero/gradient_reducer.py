@@ -29,7 +29,7 @@ later ones hold roughly the gradients of the buckets not yet due. One small coll
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -40,12 +40,23 @@ from .backward_schedule import BackwardSchedule
 log = logging.getLogger("tierstore.zero")
 
 
+class PartitionSink(Protocol):
+    """Where reductions land: see grad_partitions.GradPartitions."""
+
+    def open(self, gid: int) -> tuple[torch.Tensor, bool]: ...
+
+    def close(self, gid: int, part: torch.Tensor, *, hand_over: bool = False) -> None: ...
+
+    def abort(self, gid: int) -> None: ...
+
+
 class GradientReducer:
-    """Reduce-scatters trainable buckets' gradients into the partitions (`sink(gid, shard)`). See
+    """Reduce-scatters trainable buckets' gradients into the partitions (`sink`: open / close / abort, as
+    grad_partitions.GradPartitions). See
     [Note: gradient reduce-scatter] and [Note: no gradient] in hooks.py."""
 
     def __init__(self, layout: Layout, params: dict[str, torch.nn.Parameter],
-                 sink: Callable[[int, torch.Tensor], None], *, device: torch.device, group=None,
+                 sink: PartitionSink, *, device: torch.device, group=None,
                  quantized: bool = False, intra_node_size: int | None = None):
         self.layout = layout
         self.params = params  # canonical name -> Parameter
@@ -71,6 +82,7 @@ class GradientReducer:
         self._counted: dict[str, int] = {}  # name -> bytes of its full .grad counted as alive
         self.grad_bytes = 0  # bytes of full .grad alive now
         self.peak_grad_bytes = 0  # the most alive at once during the last (or current) backward
+        self._flats: dict[int, torch.Tensor] = {}  # numel -> collective input ([Note: gradient bytes copied once])
 
     def trains(self, gid: int) -> bool:
         return gid in self.params_in
@@ -105,19 +117,30 @@ class GradientReducer:
                 completed.append(gid)
         return completed
 
-    def reduce(self, gid: int) -> None:
-        """Reduce-scatter bucket `gid`'s gradient (zeros for parameters without one) into the partition."""
+    def reduce(self, gid: int, *, hand_over: bool = False) -> None:
+        """Reduce-scatter bucket `gid`'s gradient (zeros for parameters without one) into the partition. World
+        size 1: the gradients go straight into the partition ([Note: gradient bytes copied once]).
+        `hand_over`: the partition is stepped next (sink.close's hand_over)."""
         b = self.layout.bucket(gid)
-        flat = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
-        for piece in b.pieces:
-            g = self.params[piece.name].grad
-            if g is not None:
-                flat[piece.offset:piece.end].copy_(g.reshape(-1)[piece.param_offset:piece.param_offset + piece.numel])
-        with torch.profiler.record_function("tierstore::reduce_scatter"):
-            shard = _dist.reduce_scatter_avg(flat, self.group, quantized=self.quantized,
-                                             intra_node_size=self.intra_node_size)
-        del flat
-        self.sink(gid, shard)
+        sink = self.sink
+        part, fresh = sink.open(gid)
+        try:
+            if self.world == 1:
+                self._fill(b, part, add=not fresh)
+            else:
+                flat = self._flat(b.numel)
+                self._fill(b, flat, add=False)
+                with torch.profiler.record_function("tierstore::reduce_scatter"):
+                    if fresh and not self.quantized:
+                        _dist.reduce_scatter_avg(flat, self.group, out=part)
+                    else:
+                        shard = _dist.reduce_scatter_avg(flat, self.group, quantized=self.quantized,
+                                                         intra_node_size=self.intra_node_size)
+                        part.copy_(shard) if fresh else part.add_(shard)
+        except BaseException:
+            sink.abort(gid)
+            raise
+        sink.close(gid, part, hand_over=hand_over)
         self.reduced.add(gid)
         # what went to the partition leaves .grad: a later arrival is then exactly the part still to reduce
         for piece in b.pieces:
@@ -130,6 +153,37 @@ class GradientReducer:
                 if not p.grad.is_contiguous():
                     p.grad = p.grad.contiguous()
                 p.grad.view(-1)[piece.param_offset:piece.param_offset + piece.numel].zero_()
+
+    # [Note: gradient bytes copied once]
+    # Each gradient element is read once from ``.grad`` and written once on its way to the partition: world
+    # size 1 (no collective) copies it -- or adds it, on a later micro-batch -- straight into the partition;
+    # world size N copies it into the collective's input (a buffer reused across buckets) and the collective
+    # writes this rank's share straight into a fresh partition (a later micro-batch's share is added). The
+    # layout's padding (the bucket's tail) is zeroed, not the whole buffer.
+
+    def _fill(self, b, dst: torch.Tensor, *, add: bool) -> None:
+        """dst (the bucket's elements, fp32) <- (or +=, when `add`) the gradients of its pieces; zeros for
+        pieces without one and for the padding."""
+        end = 0
+        for piece in b.pieces:
+            g = self.params[piece.name].grad
+            d = dst[piece.offset:piece.end]
+            if g is not None:
+                src = g.reshape(-1)[piece.param_offset:piece.param_offset + piece.numel]
+                d.add_(src) if add else d.copy_(src)
+            elif not add:
+                d.zero_()
+            end = max(end, piece.end)
+        if not add and end < dst.numel():
+            dst[end:].zero_()
+
+    def _flat(self, numel: int) -> torch.Tensor:
+        """The collective's input buffer (fp32, `numel` elements), reused across buckets of that size."""
+        buf = self._flats.get(numel)
+        if buf is None:
+            self._flats.clear()  # one size kept: buckets are mostly of one size
+            buf = self._flats[numel] = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return buf
 
     def end_of_backward(self, schedule: BackwardSchedule) -> int:
         """Agree on positions, dirty buckets and which parameters got a gradient (one all_reduce MAX), then

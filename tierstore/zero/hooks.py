@@ -66,7 +66,7 @@ from ._layout import Layout
 from .backward_schedule import BackwardSchedule
 from .bucket_residency import BucketResidency
 from .events import Subscribers, Subscription
-from .gradient_reducer import GradientReducer
+from .gradient_reducer import GradientReducer, PartitionSink
 from .phase import Phase
 from .prefetch import Prefetcher, Trace
 
@@ -102,9 +102,10 @@ class ParamCoordinator:
     """Installs and runs the hooks of one model. See [Note: gather and release]."""
 
     def __init__(self, model: torch.nn.Module, layout: Layout, params: dict[str, torch.nn.Parameter],
-                 fetch_shard: Callable[[int], torch.Tensor], grad_sink: Callable[[int, torch.Tensor], None], *,
+                 fetch_shard: Callable[[int], torch.Tensor], grad_sink: PartitionSink, *,
                  device: torch.device, group=None, quantized_weights: bool = False,
-                 quantized_gradients: bool = False, intra_node_size: int | None = None, prefetch_depth: int = 0):
+                 quantized_gradients: bool = False, intra_node_size: int | None = None, prefetch_depth: int = 0,
+                 lend_shard: Callable[[int], tuple[torch.Tensor, Callable[[], None]] | None] | None = None):
         self.model = model
         self.layout = layout
         self.params = params  # canonical name -> Parameter
@@ -124,10 +125,19 @@ class ParamCoordinator:
         self._name_of = {id(p): n for n, p in params.items()}
         self._module_gids: dict[int, list[int]] = {}
         self._calls: list[_Call] = []  # the hooked forward calls running (nested)
-        # -- prefetch ([Note: prefetch stages] in prefetch.py)
-        self.prefetcher = Prefetcher(layout, fetch_shard, lambda gid: gid in self.residency.protocol, device=device,
-                                     group=group, quantized=quantized_weights, depth=prefetch_depth)
         self._world = _dist.world_and_rank(group)[0]
+        # [Note: gathering at world size 1]: gid -> whether its shard was lent last time
+        self._lend = lend_shard if self._world == 1 and not quantized_weights else None
+        self._lent: dict[int, bool] = {}
+        self.views = True  # False: gather copies even where a shard could be lent (gathered())
+        # world size 1: called with each bucket whose gradient became final (complete and reduced) during
+        # backward, to step it ([Note: overlapped step] in optimizer.py); None: nothing to do
+        self.on_final: Callable[[int], None] | None = None
+        # -- prefetch ([Note: prefetch stages] in prefetch.py)
+        # a lent shard is not read ahead: using it costs nothing
+        self.prefetcher = Prefetcher(layout, fetch_shard,
+                                     lambda gid: gid in self.residency.protocol or self._lent.get(gid, False),
+                                     device=device, group=group, quantized=quantized_weights, depth=prefetch_depth)
         # -- counters (tests, diagnostics; read them through stats()); the prefetcher keeps its own
         self.gathers_on_demand = 0  # all-gathers issued when a module needed the bucket (not posted ahead)
         self.prefetch_hits_backward = 0
@@ -216,20 +226,51 @@ class ParamCoordinator:
             if gid in res.live:
                 continue
             full = self.prefetcher.take_gathered(gid)
+            done = None
             if full is None and self.prefetcher.secondary is not None:  # hpZ: [Note: hpZ] in hpz.py
                 full = self.prefetcher.secondary.gather(gid)  # None where the primary partition serves it
                 self.gathers_on_demand += int(full is not None)
             if full is None:
                 b = self.layout.bucket(gid)
-                shard = self.prefetcher.shard(gid)
-                full = torch.empty(b.numel, dtype=b.dtype, device=self.device)
-                with torch.profiler.record_function("tierstore::all_gather"):
-                    _dist.all_gather(shard, full, self.group, quantized=self.qwz)
+                if self._world == 1 and not self.qwz:
+                    full, done = self._local_bucket(gid, b)
+                else:
+                    shard = self.prefetcher.shard(gid)
+                    full = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+                    with torch.profiler.record_function("tierstore::all_gather"):
+                        _dist.all_gather(shard, full, self.group, quantized=self.qwz)
                 self.gathers_on_demand += 1
-            res.add(gid, full)
+            res.add(gid, full, done)
             new.append(gid)
         for gid in new:
             res.materialize(gid)
+
+    # [Note: gathering at world size 1]
+    # With one rank the "gathered" bucket is the shard itself, so no all-gather copy is made: a shard on a
+    # memory tier on the compute device, in the compute dtype, is lent by the store (``lend_shard``: its own
+    # copy, entered with resident() until the bucket is released, so it is neither spilled nor replaced
+    # meanwhile) and the parameters are views of it -- no byte moves -- and such a shard is not read ahead;
+    # a shard read from nvme (or copied to the device) is a tensor of its own, used as the bucket. Autograd
+    # keeps saved views of the bucket under version counting as usual: the step changes a shared master in
+    # place only after backward, and an in-place change under a saved view raises, as in torch.
+    # ``gathered()`` asks for copies (``views = False``), so what is changed inside it stays there, as its
+    # docstring says.
+
+    def _local_bucket(self, gid: int, b) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """World size 1: bucket `gid`'s values and what to call when it is released."""
+        if self.views and self._lend is not None:
+            lent = self._lend(gid)
+            self._lent[gid] = lent is not None
+            if lent is not None:
+                return lent
+        shard = self.prefetcher.shard(gid)
+        if shard.dtype == b.dtype and shard.numel() == b.numel and shard.is_contiguous() and \
+                shard.device == torch.device(self.device):
+            return shard, None  # read for us alone: the bucket itself
+        full = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+        with torch.profiler.record_function("tierstore::all_gather"):
+            _dist.all_gather(shard, full, self.group)
+        return full, None
 
     def release(self, gid: int, *, local_only: bool = False) -> None:
         """Drop bucket `gid`'s gathered values ([Note: bucket residency] in bucket_residency.py)."""
@@ -381,8 +422,12 @@ class ParamCoordinator:
             if not self.residency.in_use(gid):
                 self.release(gid, local_only=True)
             if self._world == 1 and gid not in self.reducer.reduced:  # no collective: reduce right away
-                self.reducer.reduce(gid)
+                # final: stepped now, unless its bucket is still held (a forward running needs its values)
+                on_final = self.on_final if gid not in self.residency.live else None
+                self.reducer.reduce(gid, hand_over=on_final is not None)
                 self.eager_reductions += 1
+                if on_final is not None:
+                    on_final(gid)
 
     def _after_backward(self, token: _AfterBackward) -> None:
         """A hooked forward call's backward is over (the gradients of its inputs are complete). See

@@ -26,6 +26,11 @@ def grad(gid: int) -> str:
     return f"g{gid}"
 
 
+def kind(name: str) -> str:
+    """What a name built here holds: "params", "master", "grads" or "states"."""
+    return {"p": "params", "m": "master", "g": "grads", "s": "states"}[name[:1]]
+
+
 def state(gid: int, name: str) -> str:
     """Optimizer state `name` (e.g. "exp_avg") of sub-group `gid`."""
     return f"s{gid}.{name}"

@@ -40,9 +40,12 @@ from ..tiers import tier_info
 from . import _dist, clip, keys
 from ._layout import Layout
 from .config import OffloadConfig
+from .disk_bytes import KINDS, DiskBytes
+from .grad_partitions import GradPartitions
 from .hooks import ParamCoordinator
 from .hpz import Hpz
 from .module_state import ModuleState
+from .pipeline import StepStream
 from .skipped import SkippedParams
 from .state8 import EightBitStates, fused8_capable
 from .stepper import BufferPool, SubgroupStepper
@@ -113,6 +116,11 @@ class OptimizerStats:
     # sub-group steps on this rank that left some of its elements alone, their parameters having had no gradient
     # ([Note: skipped parameters])
     partly_skipped: int
+    # bytes read from / written to the nvme tier since construction, by kind ("params", "grads", "master",
+    # "states"; 8-bit states as stored) -- [Note: disk bytes by kind] in disk_bytes.py
+    disk_read: dict[str, int]
+    disk_written: dict[str, int]
+    overlapped: int  # sub-group steps done during backward ([Note: overlapped step])
 
 
 class Zero3Optimizer(torch.optim.Optimizer):
@@ -216,12 +224,12 @@ class Zero3Optimizer(torch.optim.Optimizer):
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self._constructing = False
         self.param_groups = self.inner.param_groups  # the same dicts: LR schedulers drive the inner optimizer
-        self._grad_stats: dict[int, tuple[float, bool]] = {}  # gid -> (sum of squares, all finite)
         self._clip_coef = 1.0
         self._scaler = _LossScaler(cdt == torch.float16, config.initial_loss_scale, config.loss_scale_window,
                                    config.min_loss_scale)
         # -- the step's parts: buffers, 8-bit states, skipped parameters, the sub-group stepper ------------
         buffers = BufferPool(self.device, 2 * config.pipeline_depth)
+        self._disk = DiskBytes(self.store)  # [Note: disk bytes by kind]
         # threads of the (de)quantization kernels on the pipeline's helper threads: None = the kernel's own
         # default (all cores). One thread each, to leave the compute its cores, made 8-bit steps slower
         # (bench/README.md, "Why the code is as it is").
@@ -232,18 +240,39 @@ class Zero3Optimizer(torch.optim.Optimizer):
             optimizer_class, self.inner.param_groups, self.device)
         self._stepper = SubgroupStepper(self.store, config, self.inner, self._placeholder, self._gid_group,
                                         self._templates, self._states8, self._skipped, buffers,
-                                        shared_master=self._shared_master, fused8=fused8, device=self.device)
+                                        shared_master=self._shared_master, fused8=fused8, device=self.device,
+                                        disk=self._disk)
+        # [Note: persistent gradient partitions] in grad_partitions.py
+        self._grads = GradPartitions(self.store, config.gradients, self.layout, buffers, self._disk)
+        # norms read at every step: the fp16 overflow check, clipping with the previous norm
+        self._grads.eager = cdt == torch.float16 or config.clip_mode == "previous_norm"
         self.steps = 0
         clip.register(self)  # [Note: clipping through torch's functions]
         self.coordinator = ParamCoordinator(
-            model, self.layout, self._params, self._fetch_param_shard, self._accumulate_grad, device=self.device,
+            model, self.layout, self._params, self._fetch_param_shard, self._grads, device=self.device,
             group=process_group, quantized_weights=config.quantized_weights and self.world_size > 1,
             quantized_gradients=config.quantized_gradients and self.world_size > 1,
-            intra_node_size=config.intra_node_size, prefetch_depth=config.prefetch_depth)
+            intra_node_size=config.intra_node_size, prefetch_depth=config.prefetch_depth,
+            lend_shard=None if config.overlap_step else self._lend_param_shard)
         self.hpz = Hpz.attach(self.coordinator, config.hpz_partition_size, params_tier=config.params)  # or None
         # [Note: a partitioned model's state dict] in module_state.py: model.state_dict() / load_state_dict()
         self.module_state = ModuleState(model, self.layout, self._params, self.coordinator, self._fetch_param_shard,
                                         self._read_master, self._write_master, device=self.device, group=process_group)
+        self._grads.before_open = self._check_not_clipped
+        # [Note: overlapped step]
+        self._next_clip: tuple[float, float] | None = None  # clip_mode="previous_norm": (max_norm, norm) of the
+        self._prev_clip: tuple[float, float] | None = None  # last clip_grad_norm_; ... of the one before this step
+        self._accumulating = 0
+        self._overlapped = 0  # sub-group steps done during backward (OptimizerStats)
+        self._stream: StepStream | None = None
+        if config.overlap_step and self.world_size == 1:
+            st = self._stepper
+            self._stream = StepStream(config.pipeline_depth, lambda it: st.load(it[0], self._grads.take(it[0])),
+                                      lambda it, t: st.step_loaded([t], it[1])[0], lambda it, t: st.save(t))
+            self.coordinator.on_final = self._step_final
+        elif config.overlap_step:
+            log.info("OffloadConfig(overlap_step=True) at world size %d: sub-groups are stepped in step(), after "
+                     "backward (the overlapped step is implemented at world size 1)", self.world_size)
         for gid in range(len(self.layout.subgroups)):
             self.coordinator.release(gid)
         for _name, p in self._params.items():
@@ -379,10 +408,23 @@ class Zero3Optimizer(torch.optim.Optimizer):
             raise
 
     # -- store access --------------------------------------------------------------------------------------
-    def _fetch_param_shard(self, gid: int) -> torch.Tensor:
+    def _lend_param_shard(self, gid: int):
+        """The store's own copy of `gid`'s parameter shard when it is on a memory tier on the compute device,
+        held (resident) until the returned function is called; None otherwise ([Note: gathering at world
+        size 1] in hooks.py)."""
         if self._shared_master and self.layout.group_of(gid).trainable:
-            return self.store.get(keys.master(gid))
-        return self.store.get(keys.param(gid))
+            name, tier = keys.master(gid), self.config.optimizer_states
+        else:
+            name, tier = keys.param(gid), self.config.params
+        t = self.store.tensor(name)
+        if not tier_info(tier).memory or tier not in t.tiers or t.dtype != self.layout.bucket(gid).dtype:
+            return None
+        cm = t.resident(tier)
+        x = cm.__enter__()
+        if x.device != self.device or not x.is_contiguous():
+            cm.__exit__(None, None, None)
+            return None
+        return x, lambda: cm.__exit__(None, None, None)
 
     def _read_master(self, gid: int) -> torch.Tensor:
         """This rank's shard of sub-group `gid` in fp32 (a copy): the master, or a frozen sub-group's shard."""
@@ -399,17 +441,18 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if not (trainable and self._shared_master):
             self.store.put(keys.param(gid), master.to(cfg.compute_dtype), tier=cfg.params)
 
-    def _accumulate_grad(self, gid: int, shard: torch.Tensor) -> None:
+    def _fetch_param_shard(self, gid: int) -> torch.Tensor:
+        name = keys.master(gid) if self._shared_master and self.layout.group_of(gid).trainable else keys.param(gid)
+        shard = self.store.get(name)
+        self._disk.count(name, write=False, kind="params")
+        return shard
+
+    def _check_not_clipped(self) -> None:
+        """Before a gradient is reduced into a partition: refuse one that arrives after a pending clip."""
         if self._clip_coef != 1.0:  # [Note: clipping through torch's functions] in clip.py
             raise MisuseError("a gradient arrived after the gradients were clipped (clip_grad_norm_) and before "
                               "step(): the clip is applied inside the step, to every gradient, so it would scale "
                               "this one too. Clip once, after the last backward before step()")
-        name = keys.grad(gid)
-        if gid in self._grad_stats and name in self.store:
-            shard = self.store.get(name).add_(shard)
-        self.store.put(name, shard, tier=self.config.gradients)
-        sq = float(torch.linalg.vector_norm(shard, dtype=torch.float64) ** 2)
-        self._grad_stats[gid] = (sq, math.isfinite(sq))
 
     # -- the step ------------------------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -428,11 +471,12 @@ class Zero3Optimizer(torch.optim.Optimizer):
         """A snapshot of the step's counters (see OptimizerStats)."""
         return OptimizerStats(steps=self.steps, overflow_skips=self._scaler.skipped, loss_scale=self._scaler.scale,
                               quantized_states=len(self._states8.packed), fused_steps=self._stepper.fused_steps,
-                              partly_skipped=self._skipped.partly_skipped)
+                              partly_skipped=self._skipped.partly_skipped,
+                              disk_read={k: self._disk.read[k] for k in KINDS},
+                              disk_written={k: self._disk.written[k] for k in KINDS}, overlapped=self._overlapped)
 
     def _global_grad_stats(self) -> tuple[float, bool]:
-        sq = sum(s for s, _f in self._grad_stats.values())
-        bad = sum(0 if f else 1 for _s, f in self._grad_stats.values())
+        sq, bad = self._grads.sum_squares()
         t = torch.tensor([sq if math.isfinite(sq) else 0.0, float(bad)], dtype=torch.float64)
         _dist.all_reduce_sum(t, self.group)
         return float(t[0]), bool(t[1] > 0)
@@ -442,9 +486,17 @@ class Zero3Optimizer(torch.optim.Optimizer):
         """Clip the gradients (all ranks, all sub-groups) to global L2 norm `max_norm` at the next step();
         returns the total norm before clipping (unscaled; a clip already pending counted), like
         torch.nn.utils.clip_grad_norm_ -- which routes here for this optimizer's parameters ([Note: clipping
-        through torch's functions] in clip.py). Call it after the last backward before step(). Collective."""
+        through torch's functions] in clip.py). Call it after the last backward before step(). Collective. With
+        OffloadConfig(clip_mode="previous_norm") the norm is kept for the step after the next one ([Note:
+        overlapped step])."""
         if float(norm_type) != 2.0:
             raise TierstoreValueError(f"norm_type={norm_type}: only the L2 norm (2.0) is supported")
+        previous = self.config.clip_mode == "previous_norm"
+        if self._grads.stepped and not previous:
+            raise MisuseError("clip_grad_norm_ after a backward that already stepped sub-groups "
+                              "(OffloadConfig(overlap_step=True)): their step cannot be clipped any more. Use "
+                              "OffloadConfig(clip_mode='previous_norm') to clip overlapped steps with the previous "
+                              "step's norm, or overlap_step=False for exact clipping")
         sq, overflow = self._global_grad_stats()
         total = math.sqrt(sq) / self._scaler.scale * self._clip_coef
         if overflow:
@@ -453,15 +505,18 @@ class Zero3Optimizer(torch.optim.Optimizer):
             raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                                f"non-finite, so it cannot be clipped. To disable this error and scale the gradients "
                                f"by the non-finite norm anyway, set `error_if_nonfinite=False`")
-        if math.isfinite(total):
-            self._clip_coef *= min(1.0, max_norm / (total + 1e-6))
+        self._clip_with_norm(max_norm, total)
         return torch.tensor(total)
 
     def clip_grads_with_norm_(self, max_norm: float, total_norm) -> None:
         """Scale the gradients by min(1, max_norm / (total_norm + 1e-6)) at the next step() (what
         torch.nn.utils.clip_grads_with_norm_ does, routed here for this optimizer's parameters)."""
-        total = float(total_norm)
-        if math.isfinite(total):
+        self._clip_with_norm(max_norm, float(total_norm))
+
+    def _clip_with_norm(self, max_norm: float, total: float) -> None:
+        if self.config.clip_mode == "previous_norm":  # [Note: overlapped step]
+            self._next_clip = (max_norm, total)
+        elif math.isfinite(total):
             self._clip_coef *= min(1.0, max_norm / (total + 1e-6))
 
     @torch.no_grad()
@@ -469,15 +524,11 @@ class Zero3Optimizer(torch.optim.Optimizer):
         """Clamp every gradient element of this rank's partitions to [-clip_value, clip_value] now (exact: the
         partition holds the reduced gradient; the fp16 loss scale and a pending norm clip are accounted for).
         torch.nn.utils.clip_grad_value_ routes here for this optimizer's parameters."""
-        bound = float(clip_value) * self._scaler.scale / self._clip_coef
-        for gid in sorted(self._grad_stats):
-            name = keys.grad(gid)
-            if name not in self.store:
-                continue
-            g = self.store.get(name).clamp_(-bound, bound)
-            self.store.put(name, g, tier=self.config.gradients)
-            sq = float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
-            self._grad_stats[gid] = (sq, math.isfinite(sq))
+        if self._grads.stepped:
+            raise MisuseError("clip_grad_value_ after a backward that already stepped sub-groups "
+                              "(OffloadConfig(overlap_step=True)): their gradients are spent. Use overlap_step=False "
+                              "to clip by value")
+        self._grads.clamp_(float(clip_value) * self._scaler.scale / self._clip_coef)
 
     def managed_param_ids(self) -> frozenset[int]:
         """id() of every parameter this optimizer partitions (tied ones once; frozen ones included)."""
@@ -487,13 +538,66 @@ class Zero3Optimizer(torch.optim.Optimizer):
         """id() of every trainable parameter this optimizer partitions."""
         return frozenset(id(p) for p in self._params.values() if p.requires_grad)
 
+    # [Note: overlapped step]
+    # With OffloadConfig(overlap_step=True) at world size 1, a sub-group whose gradient is final -- every
+    # trainable parameter of its bucket has its gradient for this backward and the bucket is reduced -- is
+    # stepped right away: the coordinator hands it over (``on_final``) and StepStream (pipeline.py) loads its
+    # master and states on a reader thread, steps it on a compute thread and writes it back on a writer
+    # thread while backward goes on; on nvme its gradient partition goes from the reduction straight to the
+    # step, never to the disk ([Note: persistent gradient partitions] in grad_partitions.py). ``step()``
+    # waits for them and steps what backward left (buckets reduced at its end: some parameter without a
+    # gradient, or still held by a running forward). Only the backward of the last micro-batch steps: one
+    # run inside ``with opt.accumulating():`` only accumulates.
+    # What it changes: a step needs every clipping or overflow decision before the sub-groups are stepped,
+    # so float16 (the loss scaler) is refused, exact clipping after an overlapped backward raises, and
+    # clip_mode="previous_norm" clips every step with the max_norm and global norm of the clip_grad_norm_
+    # call of the step before (the first step is not clipped) -- exact when nothing is clipped. A sub-group
+    # that receives gradient after it was stepped (a parameter shared by two reentrant checkpointed regions)
+    # raises instead of being stepped twice. The parameters are gathered as copies in this mode (no lent
+    # shards, [Note: gathering at world size 1] in hooks.py), so what autograd saved in forward keeps the
+    # values the forward used. Not covered: a parameter gathered again later in the same backward after its
+    # gradient is final (a use that takes no gradient, on demand) reads the stepped value -- keep
+    # overlap_step off for such a model.
+
+    def _step_final(self, gid: int) -> None:
+        """The coordinator's on_final: step sub-group `gid` now, on the stream."""
+        self._grads.stepped.add(gid)
+        self._overlapped += 1
+        self._stream.submit((gid, self._step_coef()))  # type: ignore[union-attr]  # set with on_final
+
+    def _step_coef(self) -> float:
+        """What this step multiplies the gradients by (clipping, loss scale)."""
+        if self.config.clip_mode == "previous_norm":
+            if self._prev_clip is None:
+                return 1.0 / self._scaler.scale
+            max_norm, total = self._prev_clip
+            return (min(1.0, max_norm / (total + 1e-6)) if math.isfinite(total) else 1.0) / self._scaler.scale
+        return self._clip_coef / self._scaler.scale
+
+    @contextmanager
+    def accumulating(self):
+        """`with opt.accumulating(): loss.backward()` -- a micro-batch that is not the last of the step: its
+        backward only accumulates gradients, even with OffloadConfig(overlap_step=True) ([Note: overlapped
+        step]). Without overlap_step every backward only accumulates anyway."""
+        self._accumulating += 1
+        self.coordinator.on_final = None
+        try:
+            yield
+        finally:
+            self._accumulating -= 1
+            if self._accumulating == 0 and self._stream is not None:
+                self.coordinator.on_final = self._step_final
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._grad_stats:  # no backward since zero_grad(): like torch, nothing to do
+        stepped = self._grads.stepped
+        if self._stream is not None:
+            self._stream.wait()  # the sub-groups stepped during backward ([Note: overlapped step])
+        if not self._grads:  # no backward since zero_grad(): like torch, nothing to do
             return loss
         if self._scaler.enabled:
             _sq, overflow = self._global_grad_stats()
@@ -502,20 +606,24 @@ class Zero3Optimizer(torch.optim.Optimizer):
                 self._clip_coef = 1.0
                 self.zero_grad()
                 return loss
-        coef = self._clip_coef / self._scaler.scale
+        coef = self._step_coef()
         # [Note: skipped parameters] in skipped.py: only sub-groups some parameter of which got a gradient
-        self._stepper.step(self._skipped.plan(self.coordinator.grad_names), coef)
+        plan = self._skipped.plan(self.coordinator.grad_names)
+        try:
+            self._stepper.step([g for g in plan if g not in stepped], coef)
+        finally:
+            self._skipped.runs = {}  # this step's: an overlapped step of the next one must not see them
         self._scaler.update(False)
         self._clip_coef = 1.0
+        self._prev_clip, self._next_clip = self._next_clip, None
         self.steps += 1
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradient partitions (and any full .grad left on the model)."""
-        for gid in list(self._grad_stats):
-            if keys.grad(gid) in self.store:
-                self.store.delete(keys.grad(gid))
-        self._grad_stats.clear()
+        if self._stream is not None:
+            self._stream.wait()  # nothing may still be stepping what is forgotten
+        self._grads.clear()  # the partitions' memory is kept ([Note: persistent gradient partitions])
         self._clip_coef = 1.0
         self.coordinator.clear_grad_flags()
         for p in self._params.values():
@@ -542,7 +650,11 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self.module_state.check_idle("gathered()")
         gids = sorted({g for n in names for g in self.layout.param_gids[n]})
         before = set(self.coordinator.residency.live)
-        self.coordinator.gather(gids)
+        self.coordinator.views = False  # copies: changes made inside stay there ([Note: gathering at world size 1])
+        try:
+            self.coordinator.gather(gids)
+        finally:
+            self.coordinator.views = True
         ok = False
         try:
             yield self.model
@@ -690,6 +802,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         clip.unregister(self)
         self.coordinator.remove()
         self.module_state.remove()
+        if self._stream is not None:
+            self._stream.close()
         self._stepper.close()
         self.store.close(flush=False)
         self.store = None  # type: ignore[assignment]  # None marks it closed; a Store for as long as it is open

@@ -76,3 +76,66 @@ class StepPipeline:
 def _profiled(name: str, fn, *args):
     with torch.profiler.record_function(name):
         return fn(*args)
+
+
+class StepStream:
+    """The step pipeline fed one sub-group at a time, as each becomes ready ([Note: overlapped step] in
+    optimizer.py): ``submit(item)`` loads it on a reader thread, steps it on a compute thread and saves it on a
+    writer thread, in the order submitted, while the caller goes on (backward). At most `depth` sub-groups are
+    in flight: ``submit`` waits for one to be saved beyond that (back-pressure on the caller, so the memory
+    held stays bounded). ``wait`` returns the items done since the last wait, or raises the first error
+    after every item submitted has finished (nothing is left half-written)."""
+
+    def __init__(self, depth: int, load: Callable[[Any], Any], compute: Callable[[Any, Any], Any],
+                 save: Callable[[Any, Any], None]):
+        import threading
+        self.load, self.compute, self.save = load, compute, save
+        self._slots = threading.Semaphore(max(1, depth))
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstore-overlap-read")
+        self._stepper = ThreadPoolExecutor(1, thread_name_prefix="tierstore-overlap-step")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstore-overlap-write")
+        self._futures: list[tuple[Any, Future]] = []
+
+    def submit(self, item: Any) -> None:
+        self._slots.acquire()
+        try:
+            loaded = self._reader.submit(_profiled, "tierstore::step_read", self.load, item)
+            stepped = self._stepper.submit(self._compute, item, loaded)
+            saved = self._writer.submit(self._save, item, stepped)
+        except BaseException:
+            self._slots.release()
+            raise
+        saved.add_done_callback(lambda _f: self._slots.release())
+        self._futures.append((item, saved))
+
+    def _compute(self, item: Any, loaded: Future) -> Any:
+        t = loaded.result()
+        with torch.profiler.record_function("tierstore::step_compute"):
+            return self.compute(item, t)
+
+    def _save(self, item: Any, stepped: Future) -> None:
+        t = stepped.result()
+        with torch.profiler.record_function("tierstore::step_write"):
+            self.save(item, t)
+
+    @property
+    def pending(self) -> int:
+        return len(self._futures)
+
+    def wait(self) -> list[Any]:
+        futures, self._futures = self._futures, []
+        error: BaseException | None = None
+        done = []
+        for item, f in futures:
+            try:
+                f.result()
+                done.append(item)
+            except BaseException as e:  # the first is raised once all have finished
+                error = error or e
+        if error is not None:
+            raise error
+        return done
+
+    def close(self) -> None:
+        for ex in (self._reader, self._stepper, self._writer):
+            ex.shutdown(wait=True)

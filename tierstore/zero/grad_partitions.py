@@ -1,0 +1,169 @@
+"""This rank's fp32 gradient partitions between backward and step: where the reductions accumulate, and the
+sum of squares the clipping and the fp16 overflow check read.
+
+[Note: persistent gradient partitions]
+A gradient partition is written once per backward (and added to on later micro-batches of an accumulation),
+so it is kept where it lives and reused rather than made afresh:
+- on a memory tier (host / device) it is one tensor of the store per sub-group, created by the first
+  reduction and never deleted: zero_grad() only forgets that it holds anything, and the next reduction
+  writes into it in place (``open`` enters ``resident()``: no allocation, no copy in or out). The step
+  reads it in place too ([Note: in place on memory tiers] in stepper.py);
+- on nvme the reduction builds it in a recycled buffer (the earlier micro-batches' sum read into it first)
+  and writes it with one put.
+``open(gid)`` says whether the partition is *fresh* (nothing accumulated since zero_grad()): the writer then
+overwrites it (copy) instead of adding (the zero it would add to is never written). The sum of squares of
+each partition (clip_grad_norm_, the fp16 overflow check) is computed when a reader asks -- a step that does
+not clip reads its gradients once -- until one has asked: from then on (``eager``) it is computed while
+the partition is at hand, for nvme ones (where asking later means reading them back from the disk) and
+for a partition handed to an overlapped step (which scales it in place).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+
+from ..errors import MisuseError
+from ..tiers import tier_info
+from . import keys
+from ._layout import Layout
+from .disk_bytes import DiskBytes
+
+
+class GradPartitions:
+    """The gradient partitions of one rank on tier `tier`. See [Note: persistent gradient partitions]."""
+
+    def __init__(self, store, tier: str, layout: Layout, buffers, disk: DiskBytes):
+        self.store = store
+        self.disk = disk  # [Note: disk bytes by kind]
+        self.tier = tier
+        self.layout = layout
+        self.buffers = buffers  # BufferPool of CPU buffers, for the nvme tier
+        self.memory = tier_info(tier).memory
+        # gid -> sum of squares of its partition, None: not computed yet. Insertion order = reduction order.
+        self.sq: dict[int, float | None] = {}
+        self._open: dict[int, AbstractContextManager] = {}
+        self.handed: dict[int, torch.Tensor] = {}  # gid -> nvme partition kept for the step, not written
+        self.stepped: set[int] = set()  # stepped during this backward ([Note: overlapped step] in optimizer.py)
+        self.eager = False  # sums of squares taken while the partition is at hand (someone reads them)
+        self.before_open: Callable[[], None] | None = None  # raises where no gradient may arrive now (a clip pending)
+
+    def __contains__(self, gid: int) -> bool:
+        """Whether partition `gid` holds gradient accumulated since clear()."""
+        return gid in self.sq
+
+    def __bool__(self) -> bool:
+        return bool(self.sq)
+
+    def open(self, gid: int) -> tuple[torch.Tensor, bool]:
+        """(partition `gid` to write into, fresh). Fresh: nothing accumulated since clear(); overwrite it
+        (its contents are stale), else add to it. Call close(gid, partition) after."""
+        if gid in self.stepped:
+            raise MisuseError(
+                f"sub-group {gid} received more gradient after OffloadConfig(overlap_step=True) had stepped it in "
+                f"this backward (a parameter of it got a second gradient, e.g. shared by two reentrant "
+                f"checkpointed regions); that step cannot be undone. Train this model with overlap_step=False")
+        if self.before_open is not None:
+            self.before_open()
+        fresh = gid not in self.sq
+        name = keys.grad(gid)
+        n = self.layout.shard_numel(gid)
+        if self.memory:
+            if name not in self.store:
+                self.store.put(name, torch.empty(n, dtype=torch.float32), tier=self.tier)
+            cm = self.store.tensor(name).resident(self.tier, writeback=True)
+            part = cm.__enter__()
+            self._open[gid] = cm
+            return part, fresh
+        buf = self.buffers.take(n, torch.float32)
+        if not fresh:
+            self.store.get(name, out=buf)
+            self.disk.count(name, write=False)
+        return buf, fresh
+
+    def close(self, gid: int, part: torch.Tensor, *, hand_over: bool = False) -> None:
+        """Partition `gid` (from open) now holds the accumulated gradient. `hand_over`: it is about to be
+        stepped ([Note: overlapped step] in optimizer.py): its sum of squares is taken now (the step scales it
+        in place), and on nvme it is kept for ``take`` instead of written."""
+        eager = self.eager and (hand_over or not self.memory)
+        self.sq[gid] = _sum_squares(part) if eager else None  # else computed when asked for (sum_squares)
+        if self.memory:
+            self._open.pop(gid).__exit__(None, None, None)
+            return
+        if hand_over:
+            self.handed[gid] = part
+            return
+        try:
+            self.store.put(keys.grad(gid), part, tier=self.tier)
+            self.disk.count(keys.grad(gid), write=True)
+        finally:
+            self.buffers.give(part)
+
+    def abort(self, gid: int) -> None:
+        """open() was not followed by a write (an error): leave it as it was."""
+        cm = self._open.pop(gid, None)
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+    def take(self, gid: int) -> torch.Tensor | None:
+        """The nvme partition kept by close(hand_over=True) (the caller gives it back to the buffers)."""
+        return self.handed.pop(gid, None)
+
+    def sum_squares(self) -> tuple[float, int]:
+        """(sum over partitions of their squared L2 norm, partitions with a non-finite value)."""
+        self.eager = True
+        total, bad = 0.0, 0
+        for gid, sq in self.sq.items():
+            if sq is None and gid in self.stepped:
+                raise MisuseError(f"the gradient of sub-group {gid} was stepped during backward before its norm "
+                                  f"was taken (OffloadConfig(overlap_step=True)); use clip_mode='previous_norm'")
+            if sq is None and self.memory:
+                with self.store.tensor(keys.grad(gid)).resident(self.tier) as part:
+                    sq = self.sq[gid] = _sum_squares(part)
+            elif sq is None:  # read back once; from now on taken while the partition is at hand
+                buf = self.buffers.take(self.layout.shard_numel(gid), torch.float32)
+                try:
+                    self.store.get(keys.grad(gid), out=buf)
+                    self.disk.count(keys.grad(gid), write=False)
+                    sq = self.sq[gid] = _sum_squares(buf)
+                finally:
+                    self.buffers.give(buf)
+            if math.isfinite(sq):
+                total += sq
+            else:
+                bad += 1
+        return total, bad
+
+    def clamp_(self, bound: float) -> None:
+        """Clamp every partition holding gradient to [-bound, bound] in place (clip_grad_value_)."""
+        for gid in list(self.sq):
+            name = keys.grad(gid)
+            if self.memory:
+                with self.store.tensor(name).resident(self.tier, writeback=True) as part:
+                    part.clamp_(-bound, bound)
+                    self.sq[gid] = _sum_squares(part) if self.eager else None
+                continue
+            buf = self.buffers.take(self.layout.shard_numel(gid), torch.float32)
+            try:
+                self.store.get(name, out=buf)
+                self.disk.count(name, write=False)
+                buf.clamp_(-bound, bound)
+                self.sq[gid] = _sum_squares(buf) if self.eager else None
+                self.store.put(name, buf, tier=self.tier)
+                self.disk.count(name, write=True)
+            finally:
+                self.buffers.give(buf)
+
+    def clear(self) -> None:
+        """zero_grad(): forget what the partitions hold (their memory is kept for the next backward)."""
+        self.sq.clear()
+        self.stepped.clear()
+        for part in self.handed.values():
+            self.buffers.give(part)
+        self.handed.clear()
+
+
+def _sum_squares(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2)
