@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from .checkpoint import consolidate
 from .config import OffloadConfig
+from .ds_config import DeepSpeedSetup, from_deepspeed
 from .hooks import register_external_parameter
 from .init import Init
 from .optimizer import Zero3Optimizer
 from .tiled import TiledLinear
 
-__all__ = ["Init", "OffloadConfig", "TiledLinear", "Zero3Optimizer", "consolidate", "register_external_parameter"]
+__all__ = ["DeepSpeedSetup", "Init", "OffloadConfig", "TiledLinear", "Zero3Optimizer", "consolidate", "from_deepspeed",
+           "register_external_parameter"]

@@ -214,6 +214,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups  # the same dicts: LR schedulers drive the inner optimizer
         self._grad_stats: dict[int, tuple[float, bool]] = {}  # gid -> (sum of squares, all finite)
         self._clip_coef = 1.0
+        self._clipped = False  # clip_grad_norm_ called since the last step (then config.gradient_clipping waits)
         self._scaler = _LossScaler(cdt == torch.float16, config.initial_loss_scale, config.loss_scale_window,
                                    config.min_loss_scale)
         # -- the step's parts: buffers, 8-bit states, skipped parameters, the sub-group stepper ------------
@@ -419,6 +420,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if overflow:
             total = float("inf")
         self._clip_coef = min(1.0, max_norm / (total + 1e-6)) if math.isfinite(total) else 1.0
+        self._clipped = True
         return torch.tensor(total)
 
     @torch.no_grad()
@@ -436,11 +438,14 @@ class Zero3Optimizer(torch.optim.Optimizer):
                 self._clip_coef = 1.0
                 self.zero_grad()
                 return loss
+        if self.config.gradient_clipping and not self._clipped:  # DeepSpeed's gradient_clipping
+            self.clip_grad_norm_(self.config.gradient_clipping)
         coef = self._clip_coef / self._scaler.scale
         # [Note: skipped parameters] in skipped.py: only sub-groups some parameter of which got a gradient
         self._stepper.step(self._skipped.plan(self.coordinator.grad_names), coef)
         self._scaler.update(False)
         self._clip_coef = 1.0
+        self._clipped = False
         self.steps += 1
         return loss
 
@@ -451,6 +456,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
                 self.store.delete(keys.grad(gid))
         self._grad_stats.clear()
         self._clip_coef = 1.0
+        self._clipped = False
         self.coordinator.clear_grad_flags()
         for p in self._params.values():
             p.grad = None
