@@ -4,7 +4,7 @@ Imports the store, partition and quant layers; nothing below imports this packag
 """
 from __future__ import annotations
 
-from .checkpoint import consolidate
+from .checkpoint import consolidate, rng_state, set_rng_state
 from .config import OffloadConfig
 from .ds_config import DeepSpeedSetup, from_deepspeed
 from .hooks import register_external_parameter
@@ -13,4 +13,4 @@ from .optimizer import Zero3Optimizer
 from .tiled import TiledLinear
 
 __all__ = ["DeepSpeedSetup", "Init", "OffloadConfig", "TiledLinear", "Zero3Optimizer", "consolidate", "from_deepspeed",
-           "register_external_parameter"]
+           "register_external_parameter", "rng_state", "set_rng_state"]

@@ -583,9 +583,10 @@ class Zero3Optimizer(torch.optim.Optimizer):
         from .checkpoint import save_checkpoint
         return save_checkpoint(self, directory, **kwargs)
 
-    def load_checkpoint(self, directory: str | os.PathLike, **kwargs) -> None:
+    def load_checkpoint(self, directory: str | os.PathLike, **kwargs):
+        """Load the latest checkpoint; returns the client_state saved with it (None if none was)."""
         from .checkpoint import load_checkpoint
-        load_checkpoint(self, directory, **kwargs)
+        return load_checkpoint(self, directory, **kwargs)
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def close(self) -> None:
