@@ -961,7 +961,7 @@ def rng_state() -> dict:
     import random
 
     import numpy as np
-    kind, key, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+    kind, key, pos, has_gauss, cached = np.random.get_state()
     out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
                            "numpy": [kind, torch.from_numpy(np.ascontiguousarray(key)), int(pos), int(has_gauss),
                                      float(cached)]}
