@@ -21,9 +21,8 @@ import torch
 
 from ...errors import MisuseError, TierstoreValueError, io_error
 from ...io import Buffer, BufferPool, Engine
-from ...io.checksum import crc_at
 from ..base import TierStats, profile_range
-from .extents import Extent, ExtentSpace, align_up
+from .extents import BlockCrcs, Extent, ExtentSpace, align_up, block_crcs
 from .files import ExtentFiles, part_ranges
 
 PREALLOC_FROM = 32 << 20  # bytes: extent files are preallocated beyond this size (see _preallocate)
@@ -185,7 +184,8 @@ class ExtentWriter:
             dst = st.buf.addr + pos
             ctypes.memmove(dst, addr, n)
             st.fill += alen
-            return Extent(st.file, st.base + pos, n, alen, crc_at(dst, n), st.future)
+            crc, blocks = block_crcs(dst, n)  # [Note: block checksums] in extents.py
+            return Extent(st.file, st.base + pos, n, alen, crc, st.future, blocks)
 
     def _seal(self) -> None:
         """Write the staging buffer (caller holds the lock)."""
@@ -254,13 +254,13 @@ class ExtentWriter:
                     fut.set_result(n)
 
         self._track(fut)
-        crc = 0
+        crcs = BlockCrcs()  # [Note: block checksums] in extents.py
         for i in range(chunks):
             a = i * bb
             take = min(bb, n - a)
             buf = self.lease()
             ctypes.memmove(buf.addr, addr + a, take)
-            crc = crc_at(buf.addr, take, crc)  # [Note: one pass over the data, while it is in cache]
+            crcs.feed(buf.addr, take)  # [Note: one pass over the data, while it is in cache]
             try:
                 io = self.engine.write(sf, buf.tensor(torch.uint8, align_up(take)), off + a)
             except BaseException as e:
@@ -274,7 +274,10 @@ class ExtentWriter:
                     fut.set_exception(failed)
                 break
             io.add_done_callback(functools.partial(chunk_done, buf=buf))
-        return Extent(f, off, n, alen, crc, fut)
+        if crcs.total != n:  # a chunk failed to submit: the extent is never read (its future failed)
+            return Extent(f, off, n, alen, 0, fut)
+        crc, blocks = crcs.finish()
+        return Extent(f, off, n, alen, crc, fut, blocks)
 
     # -- buffers and completion ------------------------------------------------------------------------
     def lease(self) -> Buffer:
