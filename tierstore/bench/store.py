@@ -12,7 +12,8 @@ engine reference also reads into memory it allocated before) and into fresh tens
 which pays the page faults of new memory, as torch.load does).
 
 (c) row reads (`--only rows`): a table (default 256 MiB of float32 rows of 4 KiB) on the nvme tier, a lookup
-of random rows (default 4096, an embedding batch) and a slice of consecutive rows, page cache dropped before
+of random rows (default 4096, an embedding batch), a sparse one (1/16 as many) and a slice of consecutive
+rows, page cache dropped before
 each: `get(name, rows=...)` against np.memmap of the same bytes in a plain file (its fancy index / slice) and
 against reading the whole tensor and indexing it. Bytes from the disk are /proc/self/io's read_bytes.
 """
@@ -219,8 +220,8 @@ def _rows_workload(root: str, args, progress) -> dict:
         s.put("table", table, "nvme")
     table.numpy().tofile(mfile)
     idx = torch.randint(0, nrows, (args.lookups,), generator=g)
+    sparse = idx[:max(1, args.lookups // 16)]
     sl = slice(nrows // 3, nrows // 3 + args.lookups)
-    want_idx, want_sl = table[idx], table[sl]
     disk: dict[str, list[int]] = {}
 
     def timed(case: str, files, fn, want):
@@ -253,29 +254,34 @@ def _rows_workload(root: str, args, progress) -> dict:
         return fn
 
     cases = {}
-    for what, rows, want in (("lookup", idx, want_idx), ("slice", sl, want_sl)):
+    for what, rows in (("lookup", idx), ("sparse", sparse), ("slice", sl)):
+        want = table[rows]
         cases[f"store rows= {what}"] = store_case(f"store rows= {what}", rows, want)
         cases[f"np.memmap {what}"] = memmap_case(f"np.memmap {what}", rows, want)
         cases[f"store whole+index {what}"] = whole_case(f"store whole+index {what}", rows, want)
     res = interleave(cases, args.rounds, progress)
     shutil.rmtree(sdir, ignore_errors=True)
     os.unlink(mfile)
-    return {"bytes": table.numel() * 4, "rows": nrows, "lookups": args.lookups, "samples": res,
+    return {"bytes": table.numel() * 4, "rows": nrows, "asked": {"lookup": len(idx), "sparse": len(sparse),
+                                                                 "slice": args.lookups}, "samples": res,
             "disk_bytes": {k: sorted(v)[len(v) // 2] for k, v in disk.items()}}
 
 
 def _rows_report(r: dict) -> None:
+    from ..tiers.nvme.extents import CRC_BLOCK
+
     rows = []
-    want = r["lookups"] * 4096  # bytes of the rows asked for
-    for what in ("lookup", "slice"):
+    for what in ("lookup", "sparse", "slice"):
+        want = r["asked"][what] * 4096  # bytes of the rows asked for
         t = {c: r["samples"][f"{c} {what}"].median for c in ("store rows=", "np.memmap", "store whole+index")}
         d = {c: r["disk_bytes"][f"{c} {what}"] for c in t}
         for c in t:
-            rows.append([f"{what}: {r['lookups']} rows of {fmt_bytes(r['bytes'])}", c, f"{t[c] * 1e3:.1f}",
+            rows.append([f"{what}: {r['asked'][what]} rows of {fmt_bytes(r['bytes'])}", c, f"{t[c] * 1e3:.1f}",
                          fmt_bytes(d[c]), f"{d[c] / want:.1f}x", ratio(t["np.memmap"], t[c])])
     print_table("Row reads from a cold cache (medians of interleaved rounds)",
                 ["workload", "case", "ms", "read from disk", "disk / asked", "memmap time / case time"], rows,
-                caption="disk bytes from /proc/self/io read_bytes; the store reads whole 1 MiB checksummed blocks")
+                caption="disk bytes from /proc/self/io read_bytes; the store reads whole "
+                        f"{fmt_bytes(CRC_BLOCK)} checksummed blocks")
 
 
 def run(args) -> int:
@@ -295,7 +301,7 @@ def run(args) -> int:
             nb = max(4096, int(args.size * (args.scale if args.only is None and args.scale != 1.0 else 1)))
             nb = nb // 4 * 4
             workloads.append(("large", {f"l{i}": torch.randn(nb // 4, generator=g) for i in range(args.large_count)}))
-        with Progress((len(workloads) * 9 + (6 if args.only in (None, "rows") else 0)) * args.rounds,
+        with Progress((len(workloads) * 9 + (9 if args.only in (None, "rows") else 0)) * args.rounds,
                       "store bench") as progress:
             for name, tensors in workloads:
                 progress.describe(f"{name}: {len(tensors)} tensors")
