@@ -26,6 +26,7 @@ from .extents import BlockCrcs, Extent, ExtentSpace, align_up, block_crcs
 from .files import ExtentFiles, part_ranges
 
 PREALLOC_FROM = 32 << 20  # bytes: extent files are preallocated beyond this size (see _preallocate)
+PREALLOC_SHARE = 8  # a preallocation step is at most 1/PREALLOC_SHARE of the live extents (see _preallocate)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
@@ -112,7 +113,11 @@ class ExtentWriter:
         An O_DIRECT write past the end of an ext4 file has to change the file's size, and ext4 does such
         writes one at a time instead of overlapping them. So the space of each extent file is reserved with
         fallocate() ahead of use once the file passes PREALLOC_FROM (small stores stay as small on disk as
-        their data), growing geometrically (the size so far, at most 1 GiB at a time). Best effort: where
+        their data), a step at a time: 1/PREALLOC_SHARE of the bytes of live extents (at least PREALLOC_FROM,
+        at most 1 GiB). A step as large as the file so far (as before) left files at ~2x the live states:
+        the reservation beyond the high-water mark is never used when the states stop growing, and
+        copy-on-write keeps only a sub-group or so of old versions alive, so the file's end tracks the live
+        bytes, not its own size. Best effort: where
         fallocate is not supported or the disk is too full for a step, only what is needed is asked for,
         then nothing: the reservation of each extent (_reserve) then reports a full disk. Reserved space no
         manifest names is free space, so this changes nothing for crash safety; the fsync in sync() covers
@@ -120,7 +125,7 @@ class ExtentWriter:
         have = self._prealloc.get(f, 0)  # bytes, logical
         if end <= have or end <= PREALLOC_FROM or not self._prealloc_ok:
             return
-        step = min(end, 1 << 30)
+        step = min(max(self.space.budget.used // PREALLOC_SHARE, PREALLOC_FROM), 1 << 30)  # bytes
         sf = self.files.list[f]
         for target in (max(end, min(end + step, self.space.alloc.file_bytes)), end):
             try:
