@@ -47,8 +47,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank: int, world: int, port: int | None, out: str, args: tuple) -> None:
+def _rank_main(fn, rank: int, world: int, port: int | None, out: str, args: tuple,
+               node_size: int | None = None) -> None:
     torch.set_num_threads(1)  # tiny tensors, several ranks on few cores: intra-op threads only add contention
+    if node_size is not None:  # simulated nodes of `node_size` consecutive ranks, named as torchrun names them
+        os.environ.update(LOCAL_WORLD_SIZE=str(node_size), LOCAL_RANK=str(rank % node_size))
     dist = None
     try:
         if port is not None:
@@ -75,13 +78,13 @@ def _rank_main(fn, rank: int, world: int, port: int | None, out: str, args: tupl
         os._exit(1)  # skip interpreter teardown: other ranks may still hold this one's sockets
 
 
-def _launch(fn, world: int, args: tuple, timeout: float, group: bool) -> list:
+def _launch(fn, world: int, args: tuple, timeout: float, group: bool, node_size: int | None = None) -> list:
     ctx = context()
     tmp = tempfile.mkdtemp(prefix="tierstore-ranks-")
     try:
         port = free_port() if group else None
         outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(world)]
-        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, outs[r], args), daemon=True,
+        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, outs[r], args, node_size), daemon=True,
                              name=f"rank{r}") for r in range(world)]
         for p in procs:
             p.start()
@@ -113,11 +116,14 @@ def _launch(fn, world: int, args: tuple, timeout: float, group: bool) -> list:
     return [pl["result"] for pl in payloads]
 
 
-def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT) -> list:
+def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT, node_size: int | None = None) -> list:
     """Run fn(rank, world, *args) in `world` processes joined in a gloo group; return what each rank
     returned, by rank. `fn` must be importable by name (a module-level function of a test module or of
-    tests.support), and its arguments and result must be what torch.save can write."""
-    return _launch(fn, world, args, timeout, group=True)
+    tests.support), and its arguments and result must be what torch.save can write. `node_size`: simulate
+    nodes of that many consecutive ranks (LOCAL_WORLD_SIZE and LOCAL_RANK set as torchrun sets them)."""
+    if node_size is not None and (node_size < 1 or world % node_size):
+        raise ValueError(f"node_size={node_size} must divide world={world}")
+    return _launch(fn, world, args, timeout, group=True, node_size=node_size)
 
 
 def run_isolated(fn, *args, timeout: float = TIMEOUT):

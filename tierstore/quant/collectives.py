@@ -19,7 +19,8 @@ bound (1/14 int4, 1/254 int8) and A_b the absmax of the block that carried a ter
 [Note: traffic]
 ``traffic()`` counts the payload bytes this process sent to other ranks (its own slices excluded), per
 collective: qwZ sends its packed shard to world - 1 ranks (what each rank forwards in a ring all-gather),
-qgZ sends (L - 1) node slices and (K - 1) row slices. The fp16 references are (world - 1) x shard x 2
+qgZ sends (L - 1) node slices and (K - 1) row slices; all_gather_packed (hpZ's int8 secondary partition,
+zero/hpz.py) sends its payload to the group's size - 1 ranks. The fp16 references are (world - 1) x shard x 2
 bytes for both an all-gather and a reduce-scatter.
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ class Traffic:
     calls: int = 0
 
 
-_TRAFFIC: dict[str, Traffic] = {"all_gather_quantized": Traffic(), "reduce_scatter_quantized": Traffic()}
+_TRAFFIC: dict[str, Traffic] = {"all_gather_quantized": Traffic(), "all_gather_packed": Traffic(),
+                               "reduce_scatter_quantized": Traffic()}
 
 
 def traffic() -> dict[str, Traffic]:
@@ -96,21 +98,65 @@ def all_gather_quantized(shard: torch.Tensor, group: dist.ProcessGroup | None = 
     elif out.numel() != world * n or not out.is_contiguous():
         raise TierstoreValueError(f"out must be contiguous with world x shard = {world * n} elements; got "
                                   f"{out.numel()}")
+    send = pack_pieces(shard.reshape(-1), 1, scheme=scheme, block_size=block_size)
+    return _gather_packed(send, group, n, out, scheme, block_size, async_op, "all_gather_quantized")
+
+
+def pack_pieces(x: torch.Tensor, pieces: int, *, scheme: str = "int8", block_size: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """``x`` (flat, numel divisible by ``pieces``) cut into ``pieces`` equal runs, each packed as qwZ packs a
+    shard (blocks start at each run's first element): uint8, pieces x payload_nbytes(scheme, run, block_size)
+    bytes. What all_gather_packed sends."""
+    _check_signed(scheme, "qwZ quantizes weights")
+    check_block_size(block_size)
+    if x.numel() % pieces:
+        raise TierstoreValueError(f"pack_pieces: {x.numel()} elements do not split into {pieces} equal runs")
+    n = x.numel() // pieces
     pn = payload_nbytes(scheme, n, block_size)
-    send = torch.empty(pn, dtype=torch.uint8)
-    _pack_into(shard.reshape(-1), send, scheme, block_size)
-    recv = torch.empty(world * pn, dtype=torch.uint8)
+    buf = torch.empty(pieces * pn, dtype=torch.uint8)
+    flat = x.reshape(-1)
+    for i in range(pieces):
+        _pack_into(flat[i * n:(i + 1) * n], buf[i * pn:(i + 1) * pn], scheme, block_size)
+    return buf
+
+
+def all_gather_packed(payload: torch.Tensor, group: dist.ProcessGroup | None = None, *, piece_numel: int,
+                      out: torch.Tensor, async_op: bool = False, scheme: str = "int8",
+                      block_size: int = DEFAULT_BLOCK):
+    """The collective half of all_gather_quantized for payloads packed ahead of time (pack_pieces, e.g. hpZ's
+    int8 secondary partition): every rank's ``payload`` (the same number of pieces of ``piece_numel``
+    elements each) all-gathered and dequantized into ``out`` (contiguous, world x pieces x piece_numel), in
+    rank order. ``async_op``: as in all_gather_quantized."""
+    _check_signed(scheme, "qwZ quantizes weights")
+    check_block_size(block_size)
+    pn = payload_nbytes(scheme, piece_numel, block_size)
+    if payload.dtype != torch.uint8 or payload.numel() % pn:
+        raise TierstoreValueError(f"payload must be uint8 pieces of {pn} bytes (pack_pieces); got "
+                                  f"{payload.numel()} x {payload.dtype}")
+    pieces = payload.numel() // pn
+    world = dist.get_world_size(group)
+    if out.numel() != world * pieces * piece_numel or not out.is_contiguous():
+        raise TierstoreValueError(f"out must be contiguous with world x pieces x piece_numel = "
+                                  f"{world * pieces * piece_numel} elements; got {out.numel()}")
+    return _gather_packed(payload, group, piece_numel, out, scheme, block_size, async_op, "all_gather_packed")
+
+
+def _gather_packed(send: torch.Tensor, group, n: int, out: torch.Tensor, scheme: str, block_size: int,
+                   async_op: bool, key: str):
+    """All-gather the packed pieces of ``n`` elements in ``send`` and dequantize them into ``out``, in order."""
+    world = dist.get_world_size(group)
+    pn = payload_nbytes(scheme, n, block_size)
+    recv = torch.empty(world * send.numel(), dtype=torch.uint8)
     work = dist.all_gather_into_tensor(recv, send, group=group, async_op=async_op)
 
     def finish() -> torch.Tensor:
         if work is not None:
             work.wait()
         flat = out.view(-1)
-        for r in range(world):
+        for r in range(recv.numel() // pn):
             dequantize(Quantized.packed(recv[r * pn:(r + 1) * pn], scheme, n, block_size),
                        out=flat[r * n:(r + 1) * n])
-        t = _TRAFFIC["all_gather_quantized"]
-        t.bytes_sent += (world - 1) * pn
+        t = _TRAFFIC[key]
+        t.bytes_sent += (world - 1) * send.numel()
         t.calls += 1
         return out
     return _Pending(finish) if async_op else finish()

@@ -40,6 +40,9 @@ class OffloadConfig:
         stored on nvme, per tierstore.quant.states.StatePolicy).
     quantized_weights: qwZ, an int8 all-gather of parameter shards (world > 1).
     quantized_gradients: qgZ, an int4 all-to-all reduce-scatter of gradients (world > 1).
+    hpz_partition_size: hpZ, a secondary copy of the parameters partitioned over this many ranks (a node), so
+        backward's all-gathers stay inside it (zero/hpz.py, [Note: hpZ]); 1 (off), a divisor of the world
+        size, or 'node' (ranks per node from LOCAL_WORLD_SIZE, else from the ranks' host names).
     compute_dtype: dtype of the gathered parameters the model computes with; masters stay fp32.
     prefetch_depth: modules ahead of use whose buckets are prepared (traced prefetch; 0: off): shards read up
         from the store and copied to the device 2 x depth modules ahead, all-gathers posted depth ahead
@@ -71,6 +74,7 @@ class OffloadConfig:
     min_loss_scale: float = 1.0
     intra_node_size: int | None = None  # qgZ: ranks per node (default: all)
     gradient_clipping: float | None = None  # clip to this global L2 norm at each step unless clipped already
+    hpz_partition_size: int | str = 1  # hpZ: ranks per secondary partition (1: off; 'node': ranks per node)
     extra: dict = field(default_factory=dict)  # keys from_deepspeed could not map, kept for reference
 
     def __post_init__(self) -> None:
@@ -96,6 +100,10 @@ class OffloadConfig:
         gc = self.gradient_clipping
         if gc is not None and (isinstance(gc, bool) or not isinstance(gc, int | float) or not gc >= 0):
             raise TierstoreValueError(f"OffloadConfig(gradient_clipping={gc!r}): a number >= 0 (0 or None: off)")
+        h = self.hpz_partition_size
+        if h != "node" and (not isinstance(h, int) or isinstance(h, bool) or h < 1):
+            raise TierstoreValueError(f"OffloadConfig(hpz_partition_size={h!r}): an integer >= 1 (1: hpZ off) that "
+                                      f"divides the world size, or 'node'")
         if not self.initial_loss_scale > 0 or not self.min_loss_scale > 0:
             raise TierstoreValueError("OffloadConfig: initial_loss_scale and min_loss_scale must be > 0")
 
@@ -176,6 +184,7 @@ ZERO_KEYS: list[tuple[str, str, Any, Any]] = [
      AUTO_DEFAULT),  # a bucket size -> prefetch on / off
     ("zero_quantized_weights", "quantized_weights", _flag, None),
     ("zero_quantized_gradients", "quantized_gradients", _flag, None),
+    ("zero_hpz_partition_size", "hpz_partition_size", _int, None),  # hpZ ([Note: hpZ] in hpz.py)
 ]
 # fp16.<key> -> OffloadConfig field (read when fp16 is enabled)
 FP16_KEYS: list[tuple[str, str, Any, Any]] = [

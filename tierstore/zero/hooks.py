@@ -216,6 +216,9 @@ class ParamCoordinator:
             if gid in res.live:
                 continue
             full = self.prefetcher.take_gathered(gid)
+            if full is None and self.prefetcher.secondary is not None:  # hpZ: [Note: hpZ] in hpz.py
+                full = self.prefetcher.secondary.gather(gid)  # None where the primary partition serves it
+                self.gathers_on_demand += int(full is not None)
             if full is None:
                 b = self.layout.bucket(gid)
                 shard = self.prefetcher.shard(gid)

@@ -41,6 +41,7 @@ from . import _dist, keys
 from ._layout import Layout
 from .config import OffloadConfig
 from .hooks import ParamCoordinator
+from .hpz import Hpz
 from .skipped import SkippedParams
 from .state8 import EightBitStates, fused8_capable
 from .stepper import BufferPool, SubgroupStepper
@@ -236,6 +237,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
             group=process_group, quantized_weights=config.quantized_weights and self.world_size > 1,
             quantized_gradients=config.quantized_gradients and self.world_size > 1,
             intra_node_size=config.intra_node_size, prefetch_depth=config.prefetch_depth)
+        self.hpz = Hpz.attach(self.coordinator, config.hpz_partition_size, params_tier=config.params)  # or None
         for gid in range(len(self.layout.subgroups)):
             self.coordinator.release(gid)
         for _name, p in self._params.items():
@@ -593,6 +595,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         """Remove the hooks and close the store (its files stay unless they were in a temporary directory)."""
         if getattr(self, "store", None) is None:
             return
+        if self.hpz is not None:
+            self.hpz.remove()
         self.coordinator.remove()
         self._stepper.close()
         self.store.close(flush=False)

@@ -38,13 +38,25 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from . import _dist
 
 log = logging.getLogger("tierstore.zero")
+
+
+class Secondary(Protocol):
+    """Another source of gathered buckets (hpZ's secondary partition, hpz.py). For a bucket it covers now,
+    gather / gather_async return the full bucket / an all-gather posted now (the same decision on every rank);
+    None for the others, which come from this rank's shard through the data-parallel group."""
+
+    def covers(self, gid: int) -> bool: ...
+
+    def gather(self, gid: int) -> torch.Tensor | None: ...
+
+    def gather_async(self, gid: int) -> _dist.Gathering | None: ...
 
 
 class Staged(NamedTuple):
@@ -157,6 +169,9 @@ class Prefetcher:
         self._prefetched: dict[int, Future] = {}  # gid -> read (and staged) shard
         self._pending: dict[int, _dist.Gathering] = {}  # gid -> all-gather posted ahead
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tierstore-prefetch") if depth else None
+        # where a gather gets its bytes when not from this rank's shard through `group`: hpZ's secondary
+        # partition (a Secondary of hpz.py, set by it; [Note: hpZ] there), or None
+        self.secondary: Secondary | None = None
         # stage 3 only where there is a collective to overlap
         self.gathers_ahead_on = _dist.world_and_rank(group)[0] > 1 and depth > 0
         # -- counters (read through CoordinatorStats)
@@ -243,15 +258,21 @@ class Prefetcher:
         for gid in gids:
             if self.held(gid) or gid in self._pending:
                 continue
-            b = self.layout.bucket(gid)
-            shard = self.shard(gid)
-            full = torch.empty(b.numel, dtype=b.dtype, device=self.device)
-            with torch.profiler.record_function("tierstore::all_gather_post"):
-                self._pending[gid] = _dist.all_gather_async(shard, full, self.group, quantized=self.qwz)
+            # hpZ: inside the node when the secondary partition covers it ([Note: hpZ] in hpz.py)
+            pending = self.secondary.gather_async(gid) if self.secondary is not None else None
+            if pending is None:
+                b = self.layout.bucket(gid)
+                shard = self.shard(gid)
+                full = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+                with torch.profiler.record_function("tierstore::all_gather_post"):
+                    pending = _dist.all_gather_async(shard, full, self.group, quantized=self.qwz)
+            self._pending[gid] = pending
             self.gathers_ahead += 1
             self.most_ahead = max(self.most_ahead, len(self._pending))
 
     def _read_ahead(self, executor: ThreadPoolExecutor, gids) -> None:
         for gid in gids:
+            if self.secondary is not None and self.secondary.covers(gid):
+                continue  # hpZ gathers it from the secondary partition: no shard to read
             if not self.held(gid) and gid not in self._pending and gid not in self._prefetched:
                 self._prefetched[gid] = executor.submit(self._read_and_stage, gid)
