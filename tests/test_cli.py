@@ -115,7 +115,7 @@ def test_bench_store_runs_small(tmp_path):
     out = tmp_path / "store.json"
     (tmp_path / "d").mkdir()
     rc = main(["bench", "store", "--dir", str(tmp_path / "d"), "--count", "100", "--size", "1M", "--large-count", "2",
-               "--rounds", "1", "--json", str(out)])
+               "--table", "4M", "--lookups", "64", "--rounds", "1", "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())["results"]
     for part, n in (("small", 100), ("large", 2)):
@@ -123,4 +123,7 @@ def test_bench_store_runs_small(tmp_path):
         samples = res[part]["samples"]
         assert {"engine write+fsync", "engine read", "store put+flush", "store get (out=)"} <= set(samples)
         assert all(s > 0 for v in samples.values() for s in v["seconds"])
+    rows = res["rows"]  # (c) row reads: the store read only the blocks of a slice, not the 4 MiB table
+    assert {"store rows= slice", "np.memmap slice", "store whole+index lookup"} <= set(rows["samples"])
+    assert rows["disk_bytes"]["store rows= slice"] < rows["bytes"] // 2
     assert not any((tmp_path / "d").iterdir())  # the benchmark cleans up its files

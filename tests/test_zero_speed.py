@@ -190,6 +190,9 @@ def test_overlapped_step_refuses_what_it_cannot_honour(tmp_path):
     from tierstore.errors import MisuseError, TierstoreValueError
     with pytest.raises(TierstoreValueError, match="float16"):
         cfg(tmp_path, overlap_step=True, compute_dtype=torch.float16)
+    with pytest.raises(TierstoreValueError, match="previous_norm"):  # DeepSpeed's gradient_clipping, exact mode
+        cfg(tmp_path, overlap_step=True, gradient_clipping=1.0)
+    cfg(tmp_path, overlap_step=True, gradient_clipping=1.0, clip_mode="previous_norm")
     with pytest.raises(TierstoreValueError, match="clip_mode"):
         cfg(tmp_path, clip_mode="sometimes")
     m, _ref = make_pair()

@@ -512,6 +512,69 @@ class Residency:
                 got[i] = (p, decode(p.codec, value, p.shape, p.dtype, p.name, self._staging.empty), True)
         return got
 
+    def read_rows(self, name: str, rows, device=None) -> torch.Tensor:
+        """Rows `rows` (a slice, or a 1-D sequence / integer tensor of row indices) along dim 0 of tensor
+        `name`, as a new tensor on `device` (default: where the fastest copy is; nvme -> CPU). A memory copy
+        is indexed; an nvme-only raw value is read range by range, only the checksummed blocks covering the
+        rows ([Note: range reads] in tiers/nvme/reads.py); an encoded one (codec=) is read whole and indexed.
+        A read by name: like get(), the old or the new value when a put() replaces it meanwhile."""
+        disk = self._disk_name
+        while True:
+            with self.lock:
+                p = self.lookup(name)
+                self.check(p)
+                index = row_index(rows, p.shape, name)
+                mem = self._memory_copy(p)
+                if mem is not None:
+                    self._touch(p)
+                    value = mem[index[0]:index[1]] if isinstance(index, tuple) else mem[index.to(mem.device)]
+                    return value.to(device or value.device, copy=True)
+                ext = p.copies.get(disk)
+                if ext is None:
+                    self._fastest(p)  # raises: lost
+                assert ext is not None  # _fastest raised otherwise
+                whole = p.codec is not IDENTITY or ext.length != p.nbytes
+                if not whole:
+                    self._disk.check_readable(ext, f"tensor {p.name!r}")
+                    p.pins += 1
+                    version = p.version
+            if whole:  # encoded bytes have no row layout: decode all of it
+                value = self.read([name], None, by_name=True)[0]
+                value = value[index[0]:index[1]] if isinstance(index, tuple) else value[index]
+                return value.to(device or value.device, copy=True)
+            row = nbytes_of(p.shape[1:], p.dtype)  # bytes
+            if isinstance(index, tuple):
+                nrows, order, ranges = index[1] - index[0], None, [(index[0] * row, (index[1] - index[0]) * row, 0)]
+            else:
+                uniq, order = torch.unique(index, sorted=True, return_inverse=True)
+                nrows, ranges = len(uniq), []
+                for r in uniq.tolist():  # consecutive rows -> one range
+                    if ranges and ranges[-1][0] + ranges[-1][1] == r * row:
+                        a, n, d = ranges[-1]
+                        ranges[-1] = (a, n + row, d)
+                    else:
+                        ranges.append((r * row, row, len(ranges) and ranges[-1][2] + ranges[-1][1]))
+            buf = result_empty(nrows * row)
+            try:
+                self._disk.read_ranges(ext, ranges, buf, f"tensor {p.name!r}")
+            except MisuseError:
+                with self.lock:
+                    if p.version != version or p.deleted:
+                        continue  # replaced while we read: read the new value
+                raise
+            except BaseException as err:
+                self._after_read_error(p, ext, err)
+                raise
+            finally:
+                with self.lock:
+                    p.pins -= 1
+                    if p.version == version and not p.deleted:
+                        self._touch(p)
+            value = buf.view(p.dtype).view(nrows, *p.shape[1:])
+            if order is not None:
+                value = value[order]
+            return value.to(device or value.device, copy=device is not None)
+
     # -- moves ----------------------------------------------------------------------------------------------
     def bring_to(self, p: Placement, tier: str) -> None:
         """Make sure memory tier `tier` holds a copy of p (spilling others to make room)."""
@@ -687,3 +750,35 @@ def check_out(p: Placement, out, device=None) -> None:
         if not (torch.device(device).type == out.device.type and torch.device(device).index is None):
             raise TierstoreValueError(f"device={device!r} but out= is on {out.device}: the value goes where "
                                       "out is; leave device out")
+
+
+def row_index(rows, shape: torch.Size, name: str) -> tuple[int, int] | torch.Tensor:
+    """`rows` of a tensor of `shape` as (start, stop) for a slice of step 1, else a LongTensor of row indices
+    in [0, shape[0]) (negative ones counted from the end, as torch does). TierstoreValueError names what
+    is wrong."""
+    if len(shape) == 0:
+        raise TierstoreValueError(f"rows= of {name!r}: a 0-d tensor has no rows; read it with get({name!r})")
+    n = shape[0]
+    if isinstance(rows, slice):
+        start, stop, step = rows.indices(n)
+        if step == 1:
+            return start, max(start, stop)
+        rows = range(start, stop, step)
+    if isinstance(rows, torch.Tensor):
+        if rows.dim() != 1 or rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
+            raise TierstoreValueError(f"rows= of {name!r}: a 1-D integer tensor of row indices (or a slice, a list "
+                                      f"of ints); got {rows.dtype} of shape {tuple(rows.shape)}")
+        index = rows.to("cpu", torch.long)
+    else:
+        try:
+            index = torch.as_tensor(list(rows), dtype=torch.long)
+        except (TypeError, ValueError, RuntimeError):
+            raise TierstoreValueError(f"rows= of {name!r}: a slice, a list of ints or a 1-D integer tensor; got "
+                                      f"{type(rows).__name__}") from None
+        if index.dim() != 1:
+            raise TierstoreValueError(f"rows= of {name!r}: a flat list of row indices")
+    bad = (index < -n) | (index >= n)
+    if bool(bad.any()):
+        raise TierstoreValueError(f"rows= of {name!r}: row {int(index[bad][0])} is outside its {n} rows "
+                                  f"(shape {tuple(shape)})")
+    return torch.where(index < 0, index + n, index)

@@ -226,8 +226,13 @@ class Store:
     __getitem__ = tensor
 
     def get(self, name: str, device: torch.device | str | None = None, *,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, rows=None) -> torch.Tensor:
         """A copy of tensor `name` as a plain torch.Tensor (see TieredTensor.get; out= reads into your tensor).
+
+        rows: only these rows along dim 0 -- a slice (``rows=slice(1000, 2000)``) or row indices (a list or
+        1-D integer tensor, in any order, repeats allowed); the result has shape (len(rows), *shape[1:]). On
+        the nvme tier only the checksummed 1 MiB blocks covering them are read ([Note: range reads] in
+        tiers/nvme/reads.py); a memory copy is indexed.
 
         [Note: a read by name sees the old or the new value]
         A put() of the same name while the read runs replaces the handle the read started from, which then
@@ -235,13 +240,19 @@ class Store:
         reads the tensor that has the name now, so it returns the old or the new value, never an error
         (KeyError when the name was deleted meanwhile)."""
         self._check_open()
+        if rows is not None:
+            if out is not None:
+                raise TierstoreValueError("get(..., rows=...) returns a new tensor of those rows; out= is for "
+                                          "whole tensors: leave one of them out")
+            return self._res.read_rows(name, rows, device)
         return self._res.read([name], device, [out], by_name=True)[0]
 
     def get_many(self, names: Iterable[str], device: torch.device | str | None = None, *,
                  out=None) -> dict[str, torch.Tensor]:
-        """Like get() for many tensors; reads of nvme-only tensors are coalesced into large requests and
-        overlapped. out: tensors to read into, a mapping name -> tensor or a sequence in the order of
-        `names` (see TieredTensor.get); the result maps each name to its out tensor then."""
+        """Like get() for many tensors, returned as a dict name -> tensor (not a list); reads of nvme-only
+        tensors are coalesced into large requests and overlapped. out: tensors to read into, a mapping name ->
+        tensor or a sequence in the order of `names` (see TieredTensor.get); the result maps each name to its
+        out tensor then."""
         names = list(names)
         outs: dict[str, torch.Tensor] = {}
         if out is not None:

@@ -93,6 +93,13 @@ def batch(step: int):
     return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
 
 
+def client_state(step: int) -> dict:
+    """What the child saves as the client state of the checkpoint of `step` (a scheduler-like dict and a
+    tensor record), so a load can tell whose client state it got."""
+    return {"step": step, "scheduler": {"last_epoch": step, "lrs": [1e-3 * step]},
+            "marker": torch.full((4096,), float(step))}
+
+
 def checkpoint_child(root: str, log: str) -> None:
     """Train, and save a checkpoint after every step, until killed; the oracle of each save is written
     (fsynced) before the save starts, its step logged after it returns."""
@@ -112,5 +119,5 @@ def checkpoint_child(root: str, log: str) -> None:
         with open(path + ".tmp", "rb+") as f:
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
-        opt.save_checkpoint(ckpt)
+        opt.save_checkpoint(ckpt, client_state=client_state(opt.steps))
         os.write(fd, f"{opt.steps}\n".encode())

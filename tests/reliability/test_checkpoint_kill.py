@@ -1,8 +1,8 @@
 """save_checkpoint campaign: a child trains a small Zero3Optimizer (world size 1) and saves a checkpoint after
 every step, writing the oracle of each save (every sub-group's master, states and aux, the steps, the
-buffers) before it starts; it is SIGKILLed at random moments. load_checkpoint afterwards finds the previous
-checkpoint or the one in progress, complete and exact -- never a mix -- and the partial directories a kill
-leaves do not break the next child's saves. See docs/reliability.md."""
+buffers) before it starts, and a client_state; it is SIGKILLed at random moments. load_checkpoint afterwards
+finds the previous checkpoint or the one in progress, complete and exact, with its own client state -- never a
+mix -- and the partial directories a kill leaves do not break the next child's saves. See docs/reliability.md."""
 from __future__ import annotations
 
 import os
@@ -55,9 +55,12 @@ def test_sigkill_during_save_checkpoint(tmp_path, forkserver):
                     _sub, body = read_meta(ckpt)
                     step = body["steps"]
                     assert step in (last, last + 1), f"'latest' names step {step}; the last save that returned: {last}"
-                    opt.load_checkpoint(ckpt)
+                    client = opt.load_checkpoint(ckpt)
                     want = torch.load(root / "oracle" / f"{step}.pt", weights_only=True)
                     assert same_export(_children.export_all(opt), want), f"the checkpoint of step {step} is not exact"
+                    cw = _children.client_state(step)  # the client state committed with that checkpoint, not another
+                    assert client["step"] == step and client["scheduler"] == cw["scheduler"] and \
+                        torch.equal(client["marker"], cw["marker"]), f"client state of step {client['step']}"
                     record(campaign, "previous checkpoint" if step == last else "checkpoint completed as it died")
                     prev = step
                 # partial directories do not break later saves: one more, complete, then only it and `keep` remain

@@ -10,6 +10,12 @@ reads come from the disk for the store, the engine and torch.load alike. Store r
 into tensors allocated once beforehand (`get_many(names, out=...)`, what a trainer does every step; the
 engine reference also reads into memory it allocated before) and into fresh tensors (`get_many(names)`,
 which pays the page faults of new memory, as torch.load does).
+
+(c) row reads (`--only rows`): a table (default 256 MiB of float32 rows of 4 KiB) on the nvme tier, a lookup
+of random rows (default 4096, an embedding batch), a sparse one (1/16 as many) and a slice of consecutive
+rows, page cache dropped before
+each: `get(name, rows=...)` against np.memmap of the same bytes in a plain file (its fancy index / slice) and
+against reading the whole tensor and indexing it. Bytes from the disk are /proc/self/io's read_bytes.
 """
 from __future__ import annotations
 
@@ -41,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--large-count", type=int, default=8, help="(b) number of large tensors")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pinned", type=size_arg, default=128 << 20, help="the store's pinned_budget")
-    p.add_argument("--only", choices=["small", "large"], help="run one workload")
+    p.add_argument("--only", choices=["small", "large", "rows"], help="run one workload")
+    p.add_argument("--table", type=size_arg, default=256 << 20, help="(c) bytes of the table rows are read from")
+    p.add_argument("--lookups", type=int, default=4096, help="(c) random rows per lookup")
 
 
 def _files(d: str) -> list[str]:
@@ -186,6 +194,96 @@ def _workload(name: str, tensors: dict, root: str, args, progress) -> dict:
     return {"bytes": total, "tensors": len(tensors), "samples": res}
 
 
+def _read_bytes() -> int:
+    """Bytes this process has caused to be read from storage (/proc/self/io)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no read_bytes line")
+
+
+def _rows_workload(root: str, args, progress) -> dict:
+    import time
+
+    import numpy as np
+    import torch
+
+    from ..store import Store
+
+    cols = 1024  # float32: 4 KiB rows
+    nrows = max(args.lookups, args.table // (cols * 4))
+    g = torch.Generator().manual_seed(1)
+    table = torch.randn(nrows, cols, generator=g)
+    sdir, mfile = os.path.join(root, "rows-store"), os.path.join(root, "rows.raw")
+    with Store(sdir, host_budget=0, pinned_budget=args.pinned) as s:
+        s.put("table", table, "nvme")
+    table.numpy().tofile(mfile)
+    idx = torch.randint(0, nrows, (args.lookups,), generator=g)
+    sparse = idx[:max(1, args.lookups // 16)]
+    sl = slice(nrows // 3, nrows // 3 + args.lookups)
+    disk: dict[str, list[int]] = {}
+
+    def timed(case: str, files, fn, want):
+        drop_page_cache(files)
+        b0 = _read_bytes()
+        t0 = time.perf_counter()
+        got = fn()
+        dt = time.perf_counter() - t0
+        disk.setdefault(case, []).append(_read_bytes() - b0)
+        assert torch.equal(torch.as_tensor(got), want), case
+        return dt
+
+    def store_case(case, rows, want):
+        def fn():
+            with Store.open(sdir, host_budget=0, pinned_budget=args.pinned) as s:
+                return timed(case, _files(sdir), lambda: s.get("table", rows=rows), want)
+        return fn
+
+    def whole_case(case, rows, want):
+        def fn():
+            with Store.open(sdir, host_budget=0, pinned_budget=args.pinned) as s:
+                return timed(case, _files(sdir), lambda: s.get("table")[rows], want)
+        return fn
+
+    def memmap_case(case, rows, want):
+        def fn():
+            m = np.memmap(mfile, dtype=np.float32, mode="r", shape=(nrows, cols))
+            np_rows = rows.numpy() if isinstance(rows, torch.Tensor) else rows
+            return timed(case, [mfile], lambda: np.array(m[np_rows]), want)
+        return fn
+
+    cases = {}
+    for what, rows in (("lookup", idx), ("sparse", sparse), ("slice", sl)):
+        want = table[rows]
+        cases[f"store rows= {what}"] = store_case(f"store rows= {what}", rows, want)
+        cases[f"np.memmap {what}"] = memmap_case(f"np.memmap {what}", rows, want)
+        cases[f"store whole+index {what}"] = whole_case(f"store whole+index {what}", rows, want)
+    res = interleave(cases, args.rounds, progress)
+    shutil.rmtree(sdir, ignore_errors=True)
+    os.unlink(mfile)
+    return {"bytes": table.numel() * 4, "rows": nrows, "asked": {"lookup": len(idx), "sparse": len(sparse),
+                                                                 "slice": args.lookups}, "samples": res,
+            "disk_bytes": {k: sorted(v)[len(v) // 2] for k, v in disk.items()}}
+
+
+def _rows_report(r: dict) -> None:
+    from ..tiers.nvme.extents import CRC_BLOCK
+
+    rows = []
+    for what in ("lookup", "sparse", "slice"):
+        want = r["asked"][what] * 4096  # bytes of the rows asked for
+        t = {c: r["samples"][f"{c} {what}"].median for c in ("store rows=", "np.memmap", "store whole+index")}
+        d = {c: r["disk_bytes"][f"{c} {what}"] for c in t}
+        for c in t:
+            rows.append([f"{what}: {r['asked'][what]} rows of {fmt_bytes(r['bytes'])}", c, f"{t[c] * 1e3:.1f}",
+                         fmt_bytes(d[c]), f"{d[c] / want:.1f}x", ratio(t["np.memmap"], t[c])])
+    print_table("Row reads from a cold cache (medians of interleaved rounds)",
+                ["workload", "case", "ms", "read from disk", "disk / asked", "memmap time / case time"], rows,
+                caption="disk bytes from /proc/self/io read_bytes; the store reads whole "
+                        f"{fmt_bytes(CRC_BLOCK)} checksummed blocks")
+
+
 def run(args) -> int:
     import torch
 
@@ -203,14 +301,20 @@ def run(args) -> int:
             nb = max(4096, int(args.size * (args.scale if args.only is None and args.scale != 1.0 else 1)))
             nb = nb // 4 * 4
             workloads.append(("large", {f"l{i}": torch.randn(nb // 4, generator=g) for i in range(args.large_count)}))
-        with Progress(len(workloads) * 9 * args.rounds, "store bench") as progress:
+        with Progress((len(workloads) * 9 + (9 if args.only in (None, "rows") else 0)) * args.rounds,
+                      "store bench") as progress:
             for name, tensors in workloads:
                 progress.describe(f"{name}: {len(tensors)} tensors")
                 results[name] = _workload(name, tensors, root, args, progress)
+            if args.only in (None, "rows"):
+                progress.describe("rows")
+                results["rows"] = _rows_workload(root, args, progress)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = []
     for name, r in results.items():
+        if name == "rows":
+            continue
         b = r["bytes"]
         thr = {case: gib_s(b, smp.median) for case, smp in r["samples"].items()}  # GiB/s
         label = f"({'a' if name == 'small' else 'b'}) {r['tensors']} x ~{fmt_bytes(b / r['tensors'])}"
@@ -221,9 +325,12 @@ def run(args) -> int:
             rows.append([f"{label} {what}", f"{thr[case]:.2f}", f"{thr[eng_case]:.2f}", f"{thr[one]:.2f}",
                          f"{thr[per]:.2f}", ratio(thr[case], thr[eng_case]), ratio(thr[case], thr[one]),
                          ratio(thr[case], thr[per])])
-    print_table("Store vs raw engine vs torch.save/torch.load (GiB/s, medians of interleaved rounds)",
-                ["workload", "store", "engine", "torch 1 file", "torch file/tensor", "store/engine",
-                 "store/torch 1 file", "store/torch file/tensor"], rows,
-                caption="targets: (a) store/torch >= 5x, (b) store/engine >= 0.9x")
+    if "rows" in results:
+        _rows_report(results["rows"])
+    if rows:
+        print_table("Store vs raw engine vs torch.save/torch.load (GiB/s, medians of interleaved rounds)",
+                    ["workload", "store", "engine", "torch 1 file", "torch file/tensor", "store/engine",
+                     "store/torch 1 file", "store/torch file/tensor"], rows,
+                    caption="targets: (a) store/torch >= 5x, (b) store/engine >= 0.9x")
     write_json(getattr(args, "json", None), {"benchmark": "store", "args": vars(args), "results": results})
     return 0

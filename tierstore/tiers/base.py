@@ -187,6 +187,10 @@ class PersistentTier(Tier, Protocol):
     def read_many(self, items: list) -> list:
         """Read many (extent, out, what); one error or None per item, in order."""
 
+    def read_ranges(self, e: Any, ranges: list, out: Any, what: str) -> int:
+        """Copy (start, nbytes, dst) byte ranges of extent `e` into `out`, reading (and verifying) only what
+        covers them; returns the bytes read."""
+
     def check_readable(self, e: Any, what: str) -> None:
         """Raise the CorruptionError of an extent found damaged at open (before memory is allocated)."""
 

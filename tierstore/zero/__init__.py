@@ -5,13 +5,14 @@ Imports the store, partition and quant layers; nothing below imports this packag
 """
 from __future__ import annotations
 
-from .checkpoint import consolidate
+from .checkpoint import consolidate, rng_state, set_rng_state
 from .config import OffloadConfig
+from .ds_config import DeepSpeedSetup, from_deepspeed
 from .gathered import GatheredParameters
 from .hooks import register_external_parameter
 from .init import Init
 from .optimizer import Zero3Optimizer
 from .tiled import TiledLinear
 
-__all__ = ["GatheredParameters", "Init", "OffloadConfig", "TiledLinear", "Zero3Optimizer", "consolidate",
-           "register_external_parameter"]
+__all__ = ["DeepSpeedSetup", "GatheredParameters", "Init", "OffloadConfig", "TiledLinear", "Zero3Optimizer",
+           "consolidate", "from_deepspeed", "register_external_parameter", "rng_state", "set_rng_state"]

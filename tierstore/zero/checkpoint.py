@@ -17,11 +17,13 @@ by random access:
     offset 8      records   each tensor's raw bytes (little-endian, C order), back to back, no padding
     index_offset  index     UTF-8 JSON: {"format", "version", "byteorder": "little",
                             "records": {name: {"dtype", "shape", "offset", "nbytes", "crc32c"}},
-                            "aux": {gid: the sub-group's non-tensor optimizer state, tagged JSON}}
+                            "aux": {gid: the sub-group's non-tensor optimizer state, tagged JSON},
+                            "client": {"state": the caller's client_state, tagged JSON} (when given)}
     end - 24      footer    little-endian u64 index_offset, u64 index_nbytes, u32 crc32c of the index, b"TSZI"
 
 Record names: ``<gid>.master``, ``<gid>.state.<key>`` (fp32, 8-bit states dequantised), ``<gid>.param``
-(frozen sub-groups, compute dtype), ``<gid>.aux.<k>`` (the k-th tensor inside the aux state); in buffers.bin
+(frozen sub-groups, compute dtype), ``<gid>.aux.<k>`` (the k-th tensor inside the aux state), ``client.<k>``
+(the k-th tensor of the client state, [Note: client state] at save_checkpoint); in buffers.bin
 the buffer names. meta.json (``{"format", "version", "crc32c", "body"}``; the crc32c covers the body, which
 from version 3 holds the version too) lists every file's size and its index crc32c, so a file swapped in
 from another checkpoint, a truncated one or a damaged index is refused before any record is used; each
@@ -156,6 +158,7 @@ class _RecordWriter:
                                       0o644)  # None once finished or aborted
         self.records: dict[str, dict] = {}
         self.aux: dict[str, dict] = {}
+        self.client: Any = None  # the tagged JSON of client_state; None: none given
         self.at = 0  # bytes written
         self._write(memoryview(MAGIC))
 
@@ -186,15 +189,27 @@ class _RecordWriter:
         if not aux:
             return
         tensors: list[torch.Tensor] = []
-        enc = _encode_aux(dict(aux), tensors, f"of sub-group {gid}")
+        enc = _encode_aux(dict(aux), tensors, f"optimizer state of sub-group {gid}")
         for k, t in enumerate(tensors):
             self.tensor(f"{gid}.aux.{k}", t)
         self.aux[str(gid)] = enc
 
+    def set_client(self, state: Any) -> None:
+        """The caller's client_state (tagged JSON, its tensors as records ``client.<k>``); TierstoreValueError
+        for a type it cannot hold. See [Note: client state]."""
+        tensors: list[torch.Tensor] = []
+        enc = _encode_aux(state, tensors, "client_state")
+        for k, t in enumerate(tensors):
+            self.tensor(f"client.{k}", t)
+        self.client = {"state": enc}
+
     def finish(self) -> tuple[int, int]:
         """Index, footer, fsync, rename, fsync dir; returns (file size, index crc32c)."""
-        index = json.dumps({"format": FILE_FORMAT, "version": VERSION, "byteorder": "little",
-                            "records": self.records, "aux": self.aux}, separators=(",", ":")).encode()
+        doc = {"format": FILE_FORMAT, "version": VERSION, "byteorder": "little", "records": self.records,
+               "aux": self.aux}
+        if self.client is not None:
+            doc["client"] = self.client
+        index = json.dumps(doc, separators=(",", ":")).encode()
         crc = crc32c.crc32c(index)
         offset = self.at
         self._write(memoryview(index))
@@ -220,10 +235,21 @@ class _RecordWriter:
             pass
 
 
-def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1) -> str:
+def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1, client_state: Any = None) -> str:
     """Write a checkpoint of `opt` (every rank calls it) and return its directory. See [Note: atomic
     checkpoints], [Note: a failed save] and [Note: streaming save and load]. keep: how many previous
-    checkpoints to leave besides the new one (rank 0 deletes older).
+    checkpoints to leave besides the new one (rank 0 deletes older). client_state: this rank's own state to
+    keep with it (an LR scheduler's state_dict, rng_state(), a data position ...), returned by load_checkpoint;
+    see [Note: client state].
+
+    [Note: client state]
+    Each rank's client_state goes into its own rank file: tagged JSON in the file's index (key "client", the
+    encoding of the optimizer's aux state, so nothing is pickled), its tensors as crc-checked records
+    ``client.<k>``. It is committed with everything else -- the file's size and index crc32c are in meta.json,
+    and `latest` names the checkpoint only after that -- so a crash during a save leaves the previous
+    checkpoint's client state with the previous checkpoint. A type it cannot hold is refused before the save
+    commits anything. load_checkpoint returns this rank's client state (rank 0's when the checkpoint was saved
+    by fewer ranks; None when none was given); files written before it have no "client" key and load as None.
 
     [Note: a failed save]
     Any rank's failure (a full disk, EIO ...) fails the save on every rank with a TierstoreIOError naming
@@ -256,6 +282,8 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1) -> str:
         where = os.path.join(sub, fname)
         w = _RecordWriter(where)
         try:
+            if client_state is not None:
+                w.set_client(client_state)
             for gl in opt.layout.groups:
                 for gid in gl.gids:
                     if not gl.trainable:
@@ -508,8 +536,8 @@ def _encode_aux(v, tensors: list, where: str, depth: int = 0):
     {"tensor": k} for the k-th tensor (written as record ``<gid>.aux.<k>``). Any other type is refused."""
     t = type(v)
     if depth > _AUX_DEPTH:
-        raise TierstoreValueError(f"optimizer state {where} is nested more than {_AUX_DEPTH} levels deep; "
-                                  "checkpoints cannot store it")
+        raise TierstoreValueError(f"{where} is nested more than {_AUX_DEPTH} levels deep; checkpoints cannot "
+                                  "store it")
     if v is None or t in (bool, int, str):
         return v
     if t is float:
@@ -525,15 +553,17 @@ def _encode_aux(v, tensors: list, where: str, depth: int = 0):
         out = []
         for k, x in v.items():
             if k is not None and type(k) not in (bool, int, float, str):
-                raise TierstoreValueError(f"optimizer state {where} has a key of type {type(k).__name__}; "
+                raise TierstoreValueError(f"{where} has a key of type {type(k).__name__}; "
                                           "checkpoints store keys that are None, bool, int, float or str")
             out.append([_encode_aux(k, tensors, where, depth + 1), _encode_aux(x, tensors, f"{where}[{k!r}]",
                                                                                 depth + 1)])
         return {"dict": out}
+    hint = (" (numpy's RNG: tierstore.zero.rng_state() gives every RNG's state in these types; an array: "
+            "torch.from_numpy(a))" if t.__module__ == "numpy" else "")
     raise TierstoreValueError(
-        f"optimizer state {where} is a {t.__module__}.{t.__qualname__}; checkpoints store non-tensor state of "
-        "types None, bool, int, float, str, list, tuple, dict and torch.Tensor only (nothing is pickled, so "
-        "loading a checkpoint cannot run code): keep the optimizer's state in those types")
+        f"{where} is a {t.__module__}.{t.__qualname__}; checkpoints store non-tensor state of types None, bool, "
+        "int, float, str, list, tuple, dict and torch.Tensor only (nothing is pickled, so loading a checkpoint "
+        f"cannot run code): keep it in those types{hint}")
 
 
 def _decode_aux(j, tensor, path: str, where: str, depth: int = 0):
@@ -602,6 +632,7 @@ class _RecordFile:
             self.version = version
             self.records: dict[str, dict] = index["records"]
             self.aux: dict[str, Any] = index["aux"]  # JSON, checked by _check_index
+            self.client: Any = index.get("client")  # {"state": tagged JSON} or None, checked by _check_index
         except BaseException:
             os.close(self.fd)
             self.fd = None
@@ -618,6 +649,9 @@ class _RecordFile:
         _check(isinstance(records, dict), p, "records", "not a map of names to records")
         _check(isinstance(aux, dict) and all(isinstance(v, dict) and k.isdigit() and k.isascii()
                                              for k, v in aux.items()), p, "aux", "not a map of sub-groups to state")
+        client = index.get("client")
+        _check(client is None or isinstance(client, dict) and set(client) == {"state"}, p, "client",
+               "not {\"state\": ...}")
         spans = []
         for name, r in records.items():
             f = f"records[{name!r}]"
@@ -692,6 +726,12 @@ class _RecordFile:
         out = _decode_aux(j, lambda k: self.read(f"{gid}.aux.{k}"), self.path, f"aux[{str(gid)!r}]")
         _check(type(out) is dict, self.path, f"aux[{str(gid)!r}]", "not a dict")
         return out
+
+    def client_state(self) -> Any:
+        """The client_state saved with this file (None when none was), decoded ([Note: client state])."""
+        if self.client is None:
+            return None
+        return _decode_aux(self.client["state"], lambda k: self.read(f"client.{k}"), self.path, "client")
 
     def close(self) -> None:
         if self.fd is not None:
@@ -784,18 +824,22 @@ def _assemble(ck: _Checkpoint, src: Plan, dst: Plan, s_gids: list[int], rank: in
         del out  # before the next bucket's: one destination sub-group at a time
 
 
-def load_checkpoint(opt, directory: str | os.PathLike) -> None:
+def load_checkpoint(opt, directory: str | os.PathLike) -> Any:
     """Load the latest checkpoint in `directory` into `opt` (every rank calls it), resharding to this world
-    size and layout, one sub-group at a time. See [Note: resharding on load]."""
+    size and layout, one sub-group at a time; returns this rank's client_state ([Note: client state]). See
+    [Note: resharding on load]."""
     sub, body = read_meta(directory)
     ck = _Checkpoint(sub, body)
     try:
+        # read (and crc-checked) before anything is imported: damage there leaves the optimizer as it was
+        client = ck.rank(opt.rank if opt.rank < body["world_size"] else 0).client_state()
         _load(opt, ck, body)
     finally:
         ck.close()
     opt.zero_grad()
     opt.coordinator.release_all()
     _dist.barrier(opt.group)
+    return client
 
 
 def _load(opt, ck: _Checkpoint, body: dict) -> None:
@@ -908,3 +952,35 @@ def consolidate(directory: str | os.PathLike, *, dtype: torch.dtype | None = Non
         return out
     finally:
         ck.close()
+
+
+def rng_state() -> dict:
+    """Every RNG a training loop draws from -- torch's CPU generator (and each CUDA device's, where CUDA is
+    initialised), Python's `random`, numpy's global generator -- in types a checkpoint's client_state holds;
+    set_rng_state(d) puts them back, so a resumed run draws what the uninterrupted one would have."""
+    import random
+
+    import numpy as np
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                           "numpy": [kind, torch.from_numpy(np.ascontiguousarray(key)), int(pos), int(has_gauss),
+                                     float(cached)]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # not run here (no GPU)
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what rng_state() returned (after a load_checkpoint)."""
+    import random
+
+    import numpy as np
+    if not isinstance(state, dict) or not {"torch", "python", "numpy"} <= set(state):
+        raise TierstoreValueError("set_rng_state takes the dict rng_state() returned (keys torch, python, numpy)")
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, key, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, key.numpy(), pos, has_gauss, cached))
+    if "cuda" in state:  # not run here (no GPU)
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,13 +1,16 @@
 """OffloadConfig: where every ZeRO-3 state lives, how it is encoded, and how the step is pipelined.
 
-``OffloadConfig.from_deepspeed(ds_config)`` maps a DeepSpeed config dict (``zero_optimization``,
-``offload_param``, ``offload_optimizer``, ``aio``, ``fp16``/``bf16``) so an existing setup migrates; keys it
-does not map are listed in one warning.
+``OffloadConfig.from_deepspeed(ds_config)`` maps a DeepSpeed config (``zero_optimization``, ``offload_param``,
+``offload_optimizer``, ``fp16``/``bf16``, ``gradient_clipping``) so an existing setup migrates; keys it does not
+map are listed in one warning. ``map_deepspeed`` is the mapping itself, shared with ``tierstore.zero.from_deepspeed``
+(ds_config.py), which also builds the optimizer and scheduler and checks the batch keys.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +60,8 @@ class OffloadConfig:
     clip_mode: "exact" (clip_grad_norm_ after backward, applied by the next step(); refused once a backward
         stepped sub-groups with overlap_step) or "previous_norm" (with overlap_step: each step clips with the
         max_norm and the global norm the previous clip_grad_norm_ call gave; the first step is not clipped).
+    gradient_clipping: when set (> 0), step() clips the gradients to this global L2 norm, unless
+        clip_grad_norm_ was called since the last step (DeepSpeed's `gradient_clipping`). None or 0: off.
     """
 
     params: str = "device"
@@ -76,6 +81,7 @@ class OffloadConfig:
     loss_scale_window: int = 1000  # steps without overflow before the scale doubles
     min_loss_scale: float = 1.0
     intra_node_size: int | None = None  # qgZ: ranks per node (default: all)
+    gradient_clipping: float | None = None  # clip to this global L2 norm at each step unless clipped already
     hpz_partition_size: int | str = 1  # hpZ: ranks per secondary partition (1: off; 'node': ranks per node)
     overlap_step: bool = False
     clip_mode: str = "exact"
@@ -101,6 +107,9 @@ class OffloadConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
                 raise TierstoreValueError(f"OffloadConfig({name}={v!r}): an integer >= {least}")
+        gc = self.gradient_clipping
+        if gc is not None and (isinstance(gc, bool) or not isinstance(gc, int | float) or not gc >= 0):
+            raise TierstoreValueError(f"OffloadConfig(gradient_clipping={gc!r}): a number >= 0 (0 or None: off)")
         h = self.hpz_partition_size
         if h != "node" and (not isinstance(h, int) or isinstance(h, bool) or h < 1):
             raise TierstoreValueError(f"OffloadConfig(hpz_partition_size={h!r}): an integer >= 1 (1: hpZ off) that "
@@ -113,6 +122,11 @@ class OffloadConfig:
             raise TierstoreValueError("OffloadConfig(overlap_step=True) with compute_dtype=torch.float16: the fp16 "
                                       "loss scaler must see every gradient (overflow) before any sub-group is "
                                       "stepped; use bfloat16, or overlap_step=False")
+        if self.overlap_step and self.gradient_clipping and self.clip_mode == "exact":
+            raise TierstoreValueError(f"OffloadConfig(overlap_step=True, gradient_clipping={self.gradient_clipping}): "
+                                      f"exact clipping needs the global norm before any sub-group is stepped; add "
+                                      f"clip_mode='previous_norm' (clip with the previous step's norm), or "
+                                      f"overlap_step=False")
         if not self.initial_loss_scale > 0 or not self.min_loss_scale > 0:
             raise TierstoreValueError("OffloadConfig: initial_loss_scale and min_loss_scale must be > 0")
 
@@ -132,86 +146,214 @@ class OffloadConfig:
         return d
 
     @classmethod
-    def from_deepspeed(cls, ds_config: Mapping[str, Any], **overrides) -> OffloadConfig:
-        """Map a DeepSpeed config dict; `overrides` win. Warns once, naming every key that is ignored.
+    def from_deepspeed(cls, ds_config: Mapping[str, Any] | str | os.PathLike, **overrides) -> OffloadConfig:
+        """The OffloadConfig of a DeepSpeed config (a dict or a JSON file's path); `overrides` (OffloadConfig
+        fields) win and resolve its "auto" values (compute_dtype=... for fp16/bf16.enabled "auto",
+        gradient_clipping=... for gradient_clipping "auto"). Warns once, naming every key it ignores.
 
-        Mapped: zero_optimization.stage (must be 3), .offload_param.{device, nvme_path, pin_memory},
-        .offload_optimizer.{device, nvme_path}, .sub_group_size (elements -> fp32 bytes),
-        .stage3_prefetch_bucket_size (-> prefetch on), .zero_quantized_weights, .zero_quantized_gradients,
-        .zero_hpz_partition_size,
-        fp16.{enabled, initial_scale_power, loss_scale_window, min_loss_scale}, bf16.enabled,
-        aio.{block_size, queue_depth} (noted: the store picks its own request sizes)."""
-        if not isinstance(ds_config, Mapping):
-            raise TierstoreValueError(f"from_deepspeed(ds_config=...) takes the DeepSpeed config dict; got "
-                                      f"{type(ds_config).__name__}")
-        ignored: list[str] = []
-        kw: dict[str, Any] = {}
-        zo = dict(ds_config.get("zero_optimization") or {})
-        stage = zo.pop("stage", 3)
-        if stage != 3:
-            raise TierstoreValueError(f"zero_optimization.stage={stage}: tierstore implements ZeRO stage 3; "
-                                      f"set it to 3")
-        paths: list[str] = []
+        This reads only what OffloadConfig holds: `tierstore.zero.from_deepspeed(ds_config, lr=..., ...)` also
+        builds the config's optimizer and scheduler and checks its batch sizes (docs/zero.md). Here the
+        optimizer, scheduler and batch keys are named in the warning as not built."""
+        m = map_deepspeed(ds_config, overrides)
+        names = m.ignored + [f"{k} (not built here: tierstore.zero.from_deepspeed builds it)" for k in m.rest]
+        if names:
+            warnings.warn("OffloadConfig.from_deepspeed ignored: " + ", ".join(names), stacklevel=2)
+        m.config.extra["ignored"] = names
+        return m.config
 
-        def tier_of(section: str) -> str | None:
-            sec = dict(zo.pop(section, None) or {})
-            dev = sec.pop("device", "none")
-            p = sec.pop("nvme_path", None)
-            if dev == "nvme" and p:
-                paths.append(str(p))
-            if "pin_memory" in sec:
-                sec.pop("pin_memory")
-            for k in sec:
-                ignored.append(f"zero_optimization.{section}.{k}")
-            return {"none": None, None: None, "cpu": "host", "nvme": "nvme"}.get(dev, "invalid:" + str(dev))
 
-        for section, key in (("offload_param", "params"), ("offload_optimizer", "optimizer_states")):
-            t = tier_of(section)
-            if t is not None and t.startswith("invalid:"):
-                raise TierstoreValueError(f"zero_optimization.{section}.device={t[8:]!r}: use 'none', 'cpu' or "
-                                          f"'nvme'")
-            kw[key] = t or ("device" if key == "params" else "device")
-        if kw["optimizer_states"] != "device":
-            kw["gradients"] = "host"
-        else:
-            kw["gradients"] = "device"
-        if paths:
-            kw["nvme_paths"] = list(dict.fromkeys(paths))
-        if "sub_group_size" in zo:
-            kw["sub_group_bytes"] = int(zo.pop("sub_group_size")) * 4  # elements of fp32 master
-        if "stage3_prefetch_bucket_size" in zo:
-            kw["prefetch_depth"] = 2 if zo.pop("stage3_prefetch_bucket_size") else 0
-        if "zero_quantized_weights" in zo:
-            kw["quantized_weights"] = bool(zo.pop("zero_quantized_weights"))
-        if "zero_quantized_gradients" in zo:
-            kw["quantized_gradients"] = bool(zo.pop("zero_quantized_gradients"))
-        if "zero_hpz_partition_size" in zo:  # hpZ ([Note: hpZ] in hpz.py)
-            kw["hpz_partition_size"] = int(zo.pop("zero_hpz_partition_size"))
-        for k in zo:
-            ignored.append(f"zero_optimization.{k}")
-        fp16 = dict(ds_config.get("fp16") or {})
-        bf16 = dict(ds_config.get("bf16") or ds_config.get("bfloat16") or {})
-        if fp16.pop("enabled", False):
-            kw["compute_dtype"] = torch.float16
-            if "initial_scale_power" in fp16:
-                kw["initial_loss_scale"] = 2.0 ** fp16.pop("initial_scale_power")
-            if "loss_scale_window" in fp16:
-                kw["loss_scale_window"] = int(fp16.pop("loss_scale_window"))
-            if "min_loss_scale" in fp16:
-                kw["min_loss_scale"] = float(fp16.pop("min_loss_scale"))
-            ignored += [f"fp16.{k}" for k in fp16]
-        if bf16.pop("enabled", False):
-            kw["compute_dtype"] = torch.bfloat16
-        aio = dict(ds_config.get("aio") or {})
-        for k in aio:
-            ignored.append(f"aio.{k} (the store sizes and queues its own requests)")
-        for k in ds_config:
-            if k not in ("zero_optimization", "fp16", "bf16", "bfloat16", "aio", "train_batch_size",
-                         "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
-                         "scheduler", "gradient_clipping"):
-                ignored.append(k)
-        kw.update(overrides)
-        if ignored:
-            warnings.warn("OffloadConfig.from_deepspeed ignored: " + ", ".join(ignored), stacklevel=2)
-        kw["extra"] = {"ignored": ignored}
-        return cls(**kw)
+
+# -- DeepSpeed configs ------------------------------------------------------------------------------------
+# [Note: DeepSpeed "auto"] HF's DeepSpeed templates leave values as "auto" for the Trainer to fill from its
+# arguments. Each mapped key says what its "auto" means here: AUTO_DEFAULT keeps tierstore's own default (the
+# key only tunes DeepSpeed's buffers), a string names the from_deepspeed argument / OffloadConfig field that
+# resolves it; without one the key is refused, named, with that argument in the message -- never parsed as
+# a number ("invalid literal for int()").
+AUTO_DEFAULT = object()
+
+
+def _conv(what: str, fn):
+    """A converter named by what it expects (the name goes into the error message)."""
+    fn.__name__ = what
+    return fn
+
+
+def _to_int(v):
+    if isinstance(v, bool) or not isinstance(v, int | float | str) or float(v) != int(float(v)):
+        raise ValueError
+    return int(float(v))
+
+
+def _to_float(v):
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        raise ValueError
+    return float(v)
+
+
+def _to_flag(v):
+    if not isinstance(v, bool):
+        raise ValueError
+    return v
+
+
+_int = _conv("an integer", _to_int)
+_float = _conv("a number", _to_float)
+_flag = _conv("true or false", _to_flag)
+
+# zero_optimization.<key> -> OffloadConfig field: (key, field, convert, what "auto" means). One row a key.
+ZERO_KEYS: list[tuple[str, str, Any, Any]] = [
+    ("sub_group_size", "sub_group_bytes", _conv("an integer", lambda v: _int(v) * 4), AUTO_DEFAULT),  # fp32 el.
+    ("stage3_prefetch_bucket_size", "prefetch_depth", _conv("a number", lambda v: 2 if _float(v) else 0),
+     AUTO_DEFAULT),  # a bucket size -> prefetch on / off
+    ("zero_quantized_weights", "quantized_weights", _flag, None),
+    ("zero_quantized_gradients", "quantized_gradients", _flag, None),
+    ("zero_hpz_partition_size", "hpz_partition_size", _int, None),  # hpZ ([Note: hpZ] in hpz.py)
+]
+# fp16.<key> -> OffloadConfig field (read when fp16 is enabled)
+FP16_KEYS: list[tuple[str, str, Any, Any]] = [
+    ("initial_scale_power", "initial_loss_scale", _conv("an integer", lambda v: 2.0 ** _int(v)), None),
+    ("loss_scale_window", "loss_scale_window", _int, None),
+    ("min_loss_scale", "min_loss_scale", _float, None),
+]
+# top-level key -> OffloadConfig field
+TOP_KEYS: list[tuple[str, str, Any, Any]] = [
+    ("gradient_clipping", "gradient_clipping", _float, "gradient_clipping"),
+]
+# top-level keys tierstore.zero.from_deepspeed reads (ds_config.py); OffloadConfig.from_deepspeed names them
+BUILT_ELSEWHERE = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
+                   "gradient_accumulation_steps")
+# why a key commonly found in DeepSpeed configs is ignored (shown in the warning)
+WHY_IGNORED = {
+    "aio": "the store sizes and queues its own requests",
+    "zero_optimization.overlap_comm": "tierstore always overlaps",
+    "zero_optimization.contiguous_gradients": "gradient partitions are contiguous",
+    "zero_optimization.reduce_bucket_size": "reduce-scatters go by bucket, sub_group_bytes",
+    "zero_optimization.stage3_param_persistence_threshold": "small parameters are packed, min_io_bytes",
+    "zero_optimization.stage3_max_live_parameters": "releases follow the forward trace",
+    "zero_optimization.stage3_max_reuse_distance": "releases follow the forward trace",
+}
+_OFFLOAD_DEVICES = {"none": None, None: None, "cpu": "host", "nvme": "nvme"}
+
+
+def load_deepspeed(ds_config) -> dict:
+    """The config dict: `ds_config` itself, or the JSON file it names."""
+    if isinstance(ds_config, str | os.PathLike):
+        try:
+            with open(ds_config) as f:
+                ds_config = json.load(f)
+        except OSError as e:
+            raise TierstoreValueError(f"cannot read the DeepSpeed config {os.fspath(ds_config)!r}: {e}") from e
+        except json.JSONDecodeError as e:
+            raise TierstoreValueError(f"the DeepSpeed config {os.fspath(ds_config)!r} is not valid JSON: {e}") \
+                from e
+    if not isinstance(ds_config, Mapping):
+        raise TierstoreValueError(f"from_deepspeed(ds_config=...) takes the DeepSpeed config dict or its JSON "
+                                  f"file's path; got {type(ds_config).__name__}")
+    return dict(ds_config)
+
+
+def section(ds: Mapping, key: str, where: str = "") -> dict:
+    v = ds.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise TierstoreValueError(f"DeepSpeed config: {where}{key} must be an object ({{...}}); got {v!r}")
+    return dict(v)
+
+
+def convert(path: str, value, conv, auto, resolved: Mapping[str, Any], hint: str = ""):
+    """`value` of key `path` through `conv`; "auto" resolved per [Note: DeepSpeed "auto"]. Returns
+    AUTO_DEFAULT when "auto" keeps the default."""
+    if value == "auto":
+        if auto is AUTO_DEFAULT:
+            return AUTO_DEFAULT
+        if isinstance(auto, str) and resolved.get(auto) is not None:
+            return resolved[auto]
+        how = f"pass {auto}=... to from_deepspeed" if isinstance(auto, str) else "set a value in the config"
+        raise TierstoreValueError(f'DeepSpeed config: {path} is "auto", which only HF Trainer fills in; {how}{hint}')
+    try:
+        return conv(value)
+    except (TypeError, ValueError, OverflowError):
+        raise TierstoreValueError(f"DeepSpeed config: {path}={value!r}: expected {conv.__name__}") from None
+
+
+def _rows(sec: dict, prefix: str, rows, kw: dict, resolved: Mapping[str, Any]) -> None:
+    """Pop each row's key from `sec` into kw[field]."""
+    for key, fld, conv, auto in rows:
+        if key in sec:
+            v = convert(prefix + key, sec.pop(key), conv, auto, resolved)
+            if v is not AUTO_DEFAULT:
+                kw[fld] = v
+
+
+@dataclass
+class MappedDeepSpeed:
+    """What map_deepspeed read: the OffloadConfig, the keys ignored, the top-level sections left to build."""
+    config: OffloadConfig
+    ignored: list[str]
+    rest: dict[str, Any]
+
+
+def map_deepspeed(ds_config, overrides: Mapping[str, Any]) -> MappedDeepSpeed:
+    """Map the parts of a DeepSpeed config OffloadConfig holds; `overrides` (fields) win and resolve "auto".
+    Raises TierstoreValueError naming the key for a wrong value or an unresolved "auto"."""
+    ds = load_deepspeed(ds_config)
+    ignored: list[str] = []
+    kw: dict[str, Any] = {}
+    zo = section(ds, "zero_optimization")
+    stage = zo.pop("stage", 3)
+    if stage != 3:
+        raise TierstoreValueError(f"zero_optimization.stage={stage!r}: tierstore implements ZeRO stage 3; "
+                                  f"set it to 3")
+    paths: list[str] = []
+    for sec_name, fld in (("offload_param", "params"), ("offload_optimizer", "optimizer_states")):
+        sec = section(zo, sec_name, "zero_optimization.")
+        zo.pop(sec_name, None)
+        dev = sec.pop("device", "none")
+        if dev not in _OFFLOAD_DEVICES:
+            raise TierstoreValueError(f"zero_optimization.{sec_name}.device={dev!r}: use 'none', 'cpu' or 'nvme'")
+        p = sec.pop("nvme_path", None)
+        if dev == "nvme":
+            if not p:
+                raise TierstoreValueError(f"zero_optimization.{sec_name}.device is 'nvme' but "
+                                          f"{sec_name}.nvme_path is missing: set it to a directory on the drive")
+            paths.append(str(p))
+        sec.pop("pin_memory", None)  # the nvme tier always stages through pinned memory
+        ignored += [f"zero_optimization.{sec_name}.{k}" for k in sec]
+        kw[fld] = _OFFLOAD_DEVICES[dev] or "device"
+    kw["gradients"] = "device" if kw["optimizer_states"] == "device" else "host"
+    if paths:
+        kw["nvme_paths"] = list(dict.fromkeys(paths))
+    resolved = dict(overrides)
+    _rows(zo, "zero_optimization.", ZERO_KEYS, kw, resolved)
+    ignored += [f"zero_optimization.{k}" for k in zo]
+    fp16, bf16 = section(ds, "fp16"), section(ds, "bf16") or section(ds, "bfloat16")
+    dtype_hint = (" (torch.float16, torch.bfloat16 or torch.float32: what TrainingArguments' --fp16/--bf16 "
+                  "would choose)")
+    fp16_on = convert("fp16.enabled", fp16.pop("enabled", False), _flag, "compute_dtype", {}, dtype_hint) \
+        if "compute_dtype" not in overrides else overrides["compute_dtype"] == torch.float16
+    bf16_on = convert("bf16.enabled", bf16.pop("enabled", False), _flag, "compute_dtype", {}, dtype_hint) \
+        if "compute_dtype" not in overrides else overrides["compute_dtype"] == torch.bfloat16
+    fp16.pop("enabled", None)
+    bf16.pop("enabled", None)
+    if fp16_on and bf16_on:
+        raise TierstoreValueError("DeepSpeed config: fp16.enabled and bf16.enabled are both true; enable one")
+    if fp16_on:
+        kw["compute_dtype"] = torch.float16
+        _rows(fp16, "fp16.", FP16_KEYS, kw, resolved)
+    elif bf16_on:
+        kw["compute_dtype"] = torch.bfloat16
+    if fp16_on:  # fp16's other keys matter only when it is on
+        ignored += [f"fp16.{k}" for k in fp16]
+    ignored += [f"bf16.{k}" for k in bf16]
+    ignored += [f"aio.{k}" for k in section(ds, "aio")]
+    _rows(ds, "", TOP_KEYS, kw, resolved)
+    rest = {k: ds.pop(k) for k in BUILT_ELSEWHERE if k in ds}
+    for k in ds:
+        if k not in ("zero_optimization", "fp16", "bf16", "bfloat16", "aio"):
+            ignored.append(k)
+    ignored = [f"{k} ({WHY_IGNORED.get(k) or WHY_IGNORED[k.split('.')[0]]})"
+               if k in WHY_IGNORED or k.split(".")[0] in WHY_IGNORED else k for k in ignored]
+    kw.update(overrides)
+    kw["extra"] = {"ignored": list(ignored)}
+    return MappedDeepSpeed(OffloadConfig(**kw), ignored, rest)

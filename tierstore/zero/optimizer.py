@@ -225,6 +225,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self._constructing = False
         self.param_groups = self.inner.param_groups  # the same dicts: LR schedulers drive the inner optimizer
         self._clip_coef = 1.0
+        self._clipped = False  # clip_grad_norm_ called since the last step (then config.gradient_clipping waits)
         self._scaler = _LossScaler(cdt == torch.float16, config.initial_loss_scale, config.loss_scale_window,
                                    config.min_loss_scale)
         # -- the step's parts: buffers, 8-bit states, skipped parameters, the sub-group stepper ------------
@@ -506,6 +507,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
                                f"non-finite, so it cannot be clipped. To disable this error and scale the gradients "
                                f"by the non-finite norm anyway, set `error_if_nonfinite=False`")
         self._clip_with_norm(max_norm, total)
+        self._clipped = True
         return torch.tensor(total)
 
     def clip_grads_with_norm_(self, max_norm: float, total_norm) -> None:
@@ -606,6 +608,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
                 self._clip_coef = 1.0
                 self.zero_grad()
                 return loss
+        if self.config.gradient_clipping and not self._clipped:  # DeepSpeed's gradient_clipping
+            self.clip_grad_norm_(self.config.gradient_clipping)
         coef = self._step_coef()
         # [Note: skipped parameters] in skipped.py: only sub-groups some parameter of which got a gradient
         plan = self._skipped.plan(self.coordinator.grad_names)
@@ -616,6 +620,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self._scaler.update(False)
         self._clip_coef = 1.0
         self._prev_clip, self._next_clip = self._next_clip, None
+        self._clipped = False
         self.steps += 1
         return loss
 
@@ -625,6 +630,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
             self._stream.wait()  # nothing may still be stepping what is forgotten
         self._grads.clear()  # the partitions' memory is kept ([Note: persistent gradient partitions])
         self._clip_coef = 1.0
+        self._clipped = False
         self.coordinator.clear_grad_flags()
         for p in self._params.values():
             p.grad = None
@@ -788,9 +794,10 @@ class Zero3Optimizer(torch.optim.Optimizer):
         from .checkpoint import save_checkpoint
         return save_checkpoint(self, directory, **kwargs)
 
-    def load_checkpoint(self, directory: str | os.PathLike, **kwargs) -> None:
+    def load_checkpoint(self, directory: str | os.PathLike, **kwargs):
+        """Load the latest checkpoint; returns the client_state saved with it (None if none was)."""
         from .checkpoint import load_checkpoint
-        load_checkpoint(self, directory, **kwargs)
+        return load_checkpoint(self, directory, **kwargs)
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -145,6 +145,12 @@ class NvmeTier:
         self._check()
         return self._reader.read_many(items)
 
+    def read_ranges(self, e: Extent, ranges: list[tuple[int, int, int]], out: torch.Tensor, what: str) -> int:
+        """Copy (start, nbytes, dst) byte ranges of extent `e` into `out`, reading only the checksummed blocks
+        covering them ([Note: range reads] in reads.py); returns the bytes read."""
+        self._check()
+        return self._reader.read_ranges(e, ranges, out, what)
+
     # -- durability -------------------------------------------------------------------------------
     def sync(self) -> None:
         """Write what is staged, wait for every write, fsync the files written to (and the directories when

@@ -6,6 +6,13 @@ Small extents (<= half a pool buffer) are sorted by place and coalesced into buf
 buffer-sized chunks, many in flight (across tensors too): straight into `out` with O_DIRECT when it
 is 4 KiB aligned, else through pool buffers with the copy of chunk k overlapping the reads of the
 chunks after it. Each chunk's crc32c is folded in as it completes, in order.
+
+[Note: range reads]
+A read of byte ranges of one extent (read_ranges; Store.get(name, rows=...)) reads the CRC_BLOCK blocks
+covering them ([Note: block checksums] in extents.py) -- consecutive blocks as one request of at most
+RANGE_SPAN bytes, every request 4 KiB aligned and O_DIRECT into aligned memory, all submitted as one batch --
+checks each block's crc32c, then copies the ranges out. An extent without block crcs is read whole (and its
+whole crc32c checked), so a range read is never less verified than a full one.
 """
 from __future__ import annotations
 
@@ -20,11 +27,13 @@ from ...errors import CorruptionError, TierstoreValueError
 from ...io import ALIGN, Buffer, BufferPool, Engine
 from ...io.checksum import crc_at
 from ..base import TierStats, profile_range
-from .extents import EXTENT_FILE, Extent, ExtentSpace, align_up
+from ..host import aligned_empty
+from .extents import CRC_BLOCK, EXTENT_FILE, Extent, ExtentSpace, align_up
 from .files import ExtentFiles
 from .writes import ExtentWriter
 
 RUN_GAP = 64 << 10  # bytes: the largest hole between two small extents read in one request
+RANGE_SPAN = 16 * CRC_BLOCK  # bytes: the largest request of a range read (consecutive blocks)
 
 
 def plan_runs(extents: list[Extent], buffer_bytes: int) -> list[list[int]]:
@@ -51,6 +60,27 @@ def corruption(files: ExtentFiles, e: Extent, got: int, what: str) -> Corruption
         f"{e.length} bytes at offset {e.offset} of extent file {EXTENT_FILE.format(e.file)} "
         f"({', '.join(paths)}); the file was changed outside tierstore or the disk returned bad data",
         paths[0] if len(paths) == 1 else ",".join(paths), e.offset, e.length)
+
+
+def _aligned(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes` at an ALIGN-aligned address (O_DIRECT reads go straight into it)."""
+    if nbytes >= 1 << 20:
+        return aligned_empty(nbytes, lock=False)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip:skip + nbytes]
+
+
+def block_corruption(files: ExtentFiles, e: Extent, k: int, got: int, what: str) -> CorruptionError:
+    """The error of block k of extent `e` ([Note: block checksums]) read back with crc32c `got`."""
+    assert e.blocks is not None
+    at, n = e.offset + k * CRC_BLOCK, min(CRC_BLOCK, e.length - k * CRC_BLOCK)
+    paths = files.paths(e.file, at, n)
+    return CorruptionError(
+        f"{what}: checksum mismatch (crc32c {got:#010x}, expected {e.blocks[k]:#010x}) reading block {k} "
+        f"({n} bytes at offset {at}) of extent file {EXTENT_FILE.format(e.file)} ({', '.join(paths)}); the "
+        "file was changed outside tierstore or the disk returned bad data",
+        paths[0] if len(paths) == 1 else ",".join(paths), at, n)
 
 
 def truncation(files: ExtentFiles, e: Extent, what: str) -> CorruptionError | None:
@@ -128,6 +158,65 @@ class ExtentReader:
             moved = sum(items[i][0].length for i in small + big if errors[i] is None)  # bytes
             self.stats.add("out", moved, time.perf_counter() - t0)
         return errors
+
+    def read_ranges(self, e: Extent, ranges: list[tuple[int, int, int]], out: torch.Tensor, what: str) -> int:
+        """Copy each (start, nbytes, dst) byte range of extent `e`'s payload to out[dst:dst + nbytes] (a
+        contiguous uint8 CPU tensor), reading and verifying only the blocks that cover them ([Note: range
+        reads]). Returns the bytes read from the file. Raises CorruptionError / the I/O error."""
+        for a, n, d in ranges:
+            if a < 0 or n < 0 or a + n > e.length or d < 0 or d + n > out.numel():
+                raise TierstoreValueError(f"{what}: range of {n} bytes at {a} is outside the extent's {e.length} "
+                                          f"bytes or the output's {out.numel()}")
+        ranges = [r for r in ranges if r[1]]
+        if not ranges or e.length == 0:
+            return 0
+        check_readable(self.files, e, what)
+        self.space.begin_read(e)
+        t0 = time.perf_counter()
+        moved = 0
+        try:
+            self.writer.wait_written(e)
+            if e.blocks is None:  # one crc32c for the whole payload: read it whole
+                whole = aligned_empty(e.length, lock=False)
+                err = self.read_many([(e, whole, what)])[0]
+                if err is not None:
+                    raise err
+                for a, n, d in ranges:
+                    ctypes.memmove(out.data_ptr() + d, whole.data_ptr() + a, n)
+                return e.length  # counted in the stats by read_many
+            need = sorted({k for a, n, _d in ranges for k in range(a // CRC_BLOCK, (a + n - 1) // CRC_BLOCK + 1)})
+            # the needed blocks back to back in one aligned buffer (only the extent's last block is short, and
+            # it is last here too); consecutive blocks are one request of at most RANGE_SPAN bytes
+            pos = {k: i * CRC_BLOCK for i, k in enumerate(need)}
+            size = (len(need) - 1) * CRC_BLOCK + align_up(min(CRC_BLOCK, e.length - need[-1] * CRC_BLOCK))
+            buf = _aligned(size)
+            reqs: list[tuple[torch.Tensor, int]] = []
+            first = prev = need[0]
+            for k in need[1:] + [None]:
+                if k is not None and k == prev + 1 and (k - first + 1) * CRC_BLOCK <= RANGE_SPAN:
+                    prev = k
+                    continue
+                start, end = pos[first], pos[prev] + align_up(min(CRC_BLOCK, e.length - prev * CRC_BLOCK))
+                reqs.append((buf[start:end], e.offset + first * CRC_BLOCK))
+                first = prev = k  # type: ignore[assignment]  # None only past the end
+            moved = size
+            io = self.engine.read_many(self.files.list[e.file], reqs)
+            try:
+                io.result()
+            except BaseException as exc:
+                raise truncation(self.files, e, what) or exc from None
+            base = buf.data_ptr()
+            for k in need:
+                got = crc_at(base + pos[k], min(CRC_BLOCK, e.length - k * CRC_BLOCK))
+                if got != e.blocks[k]:
+                    raise block_corruption(self.files, e, k, got, what)
+            dst = out.data_ptr()
+            for a, n, d in ranges:  # consecutive blocks are contiguous in buf: one copy per range
+                ctypes.memmove(dst + d, base + pos[a // CRC_BLOCK] + a % CRC_BLOCK, n)
+            return moved
+        finally:
+            self.space.end_read(e)
+            self.stats.add("out", moved, time.perf_counter() - t0)
 
     def _lease_or_finish(self, window: deque, finish) -> Buffer:
         """A pool buffer; while none is free, finish the oldest read of `window` (freeing its buffer)."""

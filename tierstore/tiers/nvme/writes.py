@@ -21,12 +21,12 @@ import torch
 
 from ...errors import MisuseError, TierstoreValueError, io_error
 from ...io import Buffer, BufferPool, Engine
-from ...io.checksum import crc_at
 from ..base import TierStats, profile_range
-from .extents import Extent, ExtentSpace, align_up
+from .extents import BlockCrcs, Extent, ExtentSpace, align_up, block_crcs
 from .files import ExtentFiles, part_ranges
 
 PREALLOC_FROM = 32 << 20  # bytes: extent files are preallocated beyond this size (see _preallocate)
+PREALLOC_SHARE = 8  # a preallocation step is at most 1/PREALLOC_SHARE of the live extents (see _preallocate)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
@@ -113,7 +113,11 @@ class ExtentWriter:
         An O_DIRECT write past the end of an ext4 file has to change the file's size, and ext4 does such
         writes one at a time instead of overlapping them. So the space of each extent file is reserved with
         fallocate() ahead of use once the file passes PREALLOC_FROM (small stores stay as small on disk as
-        their data), growing geometrically (the size so far, at most 1 GiB at a time). Best effort: where
+        their data), a step at a time: 1/PREALLOC_SHARE of the bytes of live extents (at least PREALLOC_FROM,
+        at most 1 GiB). A step as large as the file so far (as before) left files at ~2x the live states:
+        the reservation beyond the high-water mark is never used when the states stop growing, and
+        copy-on-write keeps only a sub-group or so of old versions alive, so the file's end tracks the live
+        bytes, not its own size. Best effort: where
         fallocate is not supported or the disk is too full for a step, only what is needed is asked for,
         then nothing: the reservation of each extent (_reserve) then reports a full disk. Reserved space no
         manifest names is free space, so this changes nothing for crash safety; the fsync in sync() covers
@@ -121,7 +125,7 @@ class ExtentWriter:
         have = self._prealloc.get(f, 0)  # bytes, logical
         if end <= have or end <= PREALLOC_FROM or not self._prealloc_ok:
             return
-        step = min(end, 1 << 30)
+        step = min(max(self.space.budget.used // PREALLOC_SHARE, PREALLOC_FROM), 1 << 30)  # bytes
         sf = self.files.list[f]
         for target in (max(end, min(end + step, self.space.alloc.file_bytes)), end):
             try:
@@ -185,7 +189,8 @@ class ExtentWriter:
             dst = st.buf.addr + pos
             ctypes.memmove(dst, addr, n)
             st.fill += alen
-            return Extent(st.file, st.base + pos, n, alen, crc_at(dst, n), st.future)
+            crc, blocks = block_crcs(dst, n)  # [Note: block checksums] in extents.py
+            return Extent(st.file, st.base + pos, n, alen, crc, st.future, blocks)
 
     def _seal(self) -> None:
         """Write the staging buffer (caller holds the lock)."""
@@ -254,13 +259,13 @@ class ExtentWriter:
                     fut.set_result(n)
 
         self._track(fut)
-        crc = 0
+        crcs = BlockCrcs()  # [Note: block checksums] in extents.py
         for i in range(chunks):
             a = i * bb
             take = min(bb, n - a)
             buf = self.lease()
             ctypes.memmove(buf.addr, addr + a, take)
-            crc = crc_at(buf.addr, take, crc)  # [Note: one pass over the data, while it is in cache]
+            crcs.feed(buf.addr, take)  # [Note: one pass over the data, while it is in cache]
             try:
                 io = self.engine.write(sf, buf.tensor(torch.uint8, align_up(take)), off + a)
             except BaseException as e:
@@ -274,7 +279,10 @@ class ExtentWriter:
                     fut.set_exception(failed)
                 break
             io.add_done_callback(functools.partial(chunk_done, buf=buf))
-        return Extent(f, off, n, alen, crc, fut)
+        if crcs.total != n:  # a chunk failed to submit: the extent is never read (its future failed)
+            return Extent(f, off, n, alen, 0, fut)
+        crc, blocks = crcs.finish()
+        return Extent(f, off, n, alen, crc, fut, blocks)
 
     # -- buffers and completion ------------------------------------------------------------------------
     def lease(self) -> Buffer:
