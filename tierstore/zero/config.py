@@ -46,6 +46,11 @@ class OffloadConfig:
     pinned_bytes: page-locked staging budget the nvme tier streams through (bytes).
     pipeline_depth: sub-groups in flight in the step (read i+1, step i, write i-1 is 3).
     initial_loss_scale, loss_scale_window, min_loss_scale: fp16 dynamic loss scaling.
+    activation_offload: None, 'host' or 'nvme': the tensors the model's forward saves for backward go to that
+        tier (tierstore.ActivationOffload, attached to the ZeRO-3 hooks; docs/activations.md); 'nvme' uses
+        ``<nvme_path>/activations-rank<r>``. activation_mode: 'all' or 'checkpoint' (only the inputs
+        torch.utils.checkpoint keeps). activation_budget_bytes: the most bytes offloaded at once (None: no
+        limit). activation_compress: None (exact), 'bf16' or a quantization scheme ('int8'), nvme only.
     """
 
     params: str = "device"
@@ -65,6 +70,10 @@ class OffloadConfig:
     loss_scale_window: int = 1000  # steps without overflow before the scale doubles
     min_loss_scale: float = 1.0
     intra_node_size: int | None = None  # qgZ: ranks per node (default: all)
+    activation_offload: str | None = None  # None, 'host' or 'nvme'
+    activation_mode: str = "all"  # 'all' or 'checkpoint'
+    activation_budget_bytes: int | None = None  # bytes
+    activation_compress: str | None = None
     extra: dict = field(default_factory=dict)  # keys from_deepspeed could not map, kept for reference
 
     def __post_init__(self) -> None:
@@ -87,6 +96,11 @@ class OffloadConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
                 raise TierstoreValueError(f"OffloadConfig({name}={v!r}): an integer >= {least}")
+        if self.activation_offload not in (None, "host", "nvme"):
+            raise TierstoreValueError(f"OffloadConfig(activation_offload={self.activation_offload!r}): use None, "
+                                      "'host' or 'nvme'")
+        if self.activation_offload == "nvme" and not self.nvme_paths:
+            raise TierstoreValueError("OffloadConfig(activation_offload='nvme') needs nvme_paths=['/path/on/nvme']")
         if not self.initial_loss_scale > 0 or not self.min_loss_scale > 0:
             raise TierstoreValueError("OffloadConfig: initial_loss_scale and min_loss_scale must be > 0")
 
@@ -113,7 +127,9 @@ class OffloadConfig:
         .offload_optimizer.{device, nvme_path}, .sub_group_size (elements -> fp32 bytes),
         .stage3_prefetch_bucket_size (-> prefetch on), .zero_quantized_weights, .zero_quantized_gradients,
         fp16.{enabled, initial_scale_power, loss_scale_window, min_loss_scale}, bf16.enabled,
-        aio.{block_size, queue_depth} (noted: the store picks its own request sizes)."""
+        aio.{block_size, queue_depth} (noted: the store picks its own request sizes),
+        activation_checkpointing.cpu_checkpointing (-> activation_offload='host', activation_mode='checkpoint';
+        the other keys of that section are noted with what stands in for them)."""
         if not isinstance(ds_config, Mapping):
             raise TierstoreValueError(f"from_deepspeed(ds_config=...) takes the DeepSpeed config dict; got "
                                       f"{type(ds_config).__name__}")
@@ -173,11 +189,12 @@ class OffloadConfig:
             ignored += [f"fp16.{k}" for k in fp16]
         if bf16.pop("enabled", False):
             kw["compute_dtype"] = torch.bfloat16
+        ignored += _map_activation_checkpointing(ds_config.get("activation_checkpointing"), kw)
         aio = dict(ds_config.get("aio") or {})
         for k in aio:
             ignored.append(f"aio.{k} (the store sizes and queues its own requests)")
         for k in ds_config:
-            if k not in ("zero_optimization", "fp16", "bf16", "bfloat16", "aio", "train_batch_size",
+            if k not in ("zero_optimization", "fp16", "bf16", "bfloat16", "aio", "activation_checkpointing", "train_batch_size",
                          "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
                          "scheduler", "gradient_clipping"):
                 ignored.append(k)
@@ -186,3 +203,30 @@ class OffloadConfig:
             warnings.warn("OffloadConfig.from_deepspeed ignored: " + ", ".join(ignored), stacklevel=2)
         kw["extra"] = {"ignored": ignored}
         return cls(**kw)
+
+
+# What stands in for DeepSpeed's activation_checkpointing keys that need no mapping (named in the warning).
+_ACTIVATION_NOTES = {
+    "partition_activations": "tierstore has no model parallelism to partition over; activation_offload frees "
+                             "the memory instead",
+    "contiguous_memory_optimization": "each offloaded tensor is one contiguous extent of the store",
+    "number_checkpoints": "the store needs no preallocated checkpoint buffers",
+    "synchronize_checkpoint_boundary": "nothing to synchronize: reads and writes are waited for where used",
+    "profile": "see ActivationOffload.stats()",
+}
+
+
+def _map_activation_checkpointing(section, kw: dict) -> list[str]:
+    """DeepSpeed's ``activation_checkpointing`` -> kw; returns the keys it notes as not mapped."""
+    sec = dict(section or {})
+    if sec.pop("cpu_checkpointing", False):
+        kw["activation_offload"] = "host"
+        kw["activation_mode"] = "checkpoint"
+    noted = []
+    for k, v in sec.items():
+        note = _ACTIVATION_NOTES.get(k)
+        if note is None:
+            noted.append(f"activation_checkpointing.{k}")
+        elif v:
+            noted.append(f"activation_checkpointing.{k} ({note})")
+    return noted

@@ -235,6 +235,15 @@ class Zero3Optimizer(torch.optim.Optimizer):
             group=process_group, quantized_weights=config.quantized_weights and self.world_size > 1,
             quantized_gradients=config.quantized_gradients and self.world_size > 1,
             intra_node_size=config.intra_node_size, prefetch_depth=config.prefetch_depth)
+        self.activations = None  # tierstore.ActivationOffload when config.activation_offload is set
+        if config.activation_offload is not None:
+            from ..activations import ActivationOffload
+            act_paths = [os.path.join(p, f"activations-rank{self.rank}") for p in config.nvme_paths] \
+                if config.activation_offload == "nvme" and config.nvme_paths else None
+            self.activations = ActivationOffload(
+                config.activation_offload, paths=act_paths, mode=config.activation_mode,
+                budget_bytes=config.activation_budget_bytes, compress=config.activation_compress)
+            self.activations.attach(self.coordinator)
         for gid in range(len(self.layout.subgroups)):
             self.coordinator.release(gid)
         for _name, p in self._params.items():
@@ -587,6 +596,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if getattr(self, "store", None) is None:
             return
         self.coordinator.remove()
+        if self.activations is not None:
+            self.activations.close()
         self._stepper.close()
         self.store.close(flush=False)
         self.store = None  # type: ignore[assignment]  # None marks it closed; a Store for as long as it is open
