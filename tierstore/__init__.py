@@ -8,6 +8,6 @@ from .zero import OffloadConfig, Zero3Optimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["ActivationOffload", "CorruptionError", "MisuseError", "PinnedMemoryError", "TierFullError", "TierstoreError",
-           "TierstoreIOError", "Store", "TieredTensor", "errors", "__version__", "OffloadConfig", "Zero3Optimizer",
-           "zero"]
+__all__ = ["ActivationOffload", "CorruptionError", "MisuseError", "PinnedMemoryError", "TierFullError",
+           "TierstoreError", "TierstoreIOError", "Store", "TieredTensor", "errors", "__version__", "OffloadConfig",
+           "Zero3Optimizer", "zero"]

@@ -188,6 +188,8 @@ class ActivationOffload:
     budget_bytes: the most bytes held in the store at once (None: no limit); past it tensors stay in memory.
     min_bytes: smaller tensors stay in memory (bytes).
     prefetch_bytes: bytes read ahead of backward ([Note: read ahead]).
+    write_behind_bytes: bytes of saved tensors waiting for their write at most; past it the forward waits for the
+        oldest write (so the memory of the tensors in flight stays bounded when the disk is slower than compute).
     compress: None (exact), 'bf16' or a quantization scheme name of tierstore.quant ('int8', 'dyn8s', ...):
         floating tensors stored on the nvme tier in fewer bytes, lossy (docs/activations.md has the error).
     pinned_bytes: the page-locked staging budget of our own store (bytes).
@@ -195,14 +197,15 @@ class ActivationOffload:
 
     def __init__(self, tier: str = "nvme", *, paths: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
                  store: Store | None = None, mode: str = "all", budget_bytes: int | None = None,
-                 min_bytes: int = 64 << 10, prefetch_bytes: int = 64 << 20, compress: str | None = None,
-                 pinned_bytes: int = 16 << 20, prefix: str = "act/"):
+                 min_bytes: int = 64 << 10, prefetch_bytes: int = 16 << 20, write_behind_bytes: int = 16 << 20,
+                 compress: str | None = None, pinned_bytes: int = 16 << 20, prefix: str = "act/"):
         if tier not in TIERS:
             raise TierstoreValueError(f"ActivationOffload(tier={tier!r}): use 'host' or 'nvme'")
         if mode not in MODES:
             raise TierstoreValueError(f"ActivationOffload(mode={mode!r}): use 'all' (every saved tensor) or "
                                       "'checkpoint' (only the inputs torch.utils.checkpoint keeps)")
         for name, v, least in (("min_bytes", min_bytes, 0), ("prefetch_bytes", prefetch_bytes, 0),
+                               ("write_behind_bytes", write_behind_bytes, 0),
                                ("pinned_bytes", pinned_bytes, 1 << 20)):
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise TierstoreValueError(f"ActivationOffload({name}={v!r}): an int number of bytes >= {least}")
@@ -223,6 +226,7 @@ class ActivationOffload:
         self.budget_bytes = budget_bytes
         self.min_bytes = min_bytes
         self.prefetch_bytes = prefetch_bytes
+        self.write_behind_bytes = write_behind_bytes
         self.compress = compress
         self._prefix = prefix
         self._tmp: str | None = None
@@ -243,6 +247,8 @@ class ActivationOffload:
         self._ahead_bytes = 0  # bytes read ahead and not yet unpacked
         self._by_storage: dict[tuple, weakref.ref] = {}
         self._live = 0
+        self._pending: list[tuple[Future, int]] = []  # writes in flight, oldest first, with their bytes
+        self._pending_bytes = 0
         self._held = 0
         self._peak = 0
         self._counts = dict.fromkeys(("packed", "offloaded", "offloaded_bytes", "kept", "kept_over_budget",
@@ -272,7 +278,7 @@ class ActivationOffload:
 
     def _in_checkpoint_inputs(self) -> bool:
         """True when torch.utils.checkpoint is saving its inputs (the caller's frames say so)."""
-        f = sys._getframe(3)  # 0: here, 1: _keep_reason, 2: _pack, 3: who saves
+        f: Any = sys._getframe(3)  # 0: here, 1: _keep_reason, 2: _pack, 3: who saves
         for _ in range(4):
             if f is None:
                 return False
@@ -341,7 +347,17 @@ class ActivationOffload:
             self._counts["offloaded_bytes"] += nbytes
             self._low = None
             rec.write = self._writer.submit(self._write, rec)
-            return rec
+            self._pending.append((rec.write, nbytes))
+            self._pending_bytes += nbytes
+            waits = []
+            while self._pending and (self._pending[0][0].done() or self._pending_bytes > self.write_behind_bytes):
+                fut, n = self._pending.pop(0)
+                self._pending_bytes -= n
+                waits.append(fut)
+        for fut in waits:  # back-pressure, outside the lock: the writer takes it when it finishes
+            if not fut.cancelled():
+                fut.exception()  # waits; an error is raised by the next pack (self._error)
+        return rec
 
     def _encode(self, rec: _Saved, flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if self.compress is None or rec.dtype not in _FLOATS:
@@ -515,6 +531,10 @@ class ActivationOffload:
     def backward_end(self, aborted: bool) -> None:
         self._leave_forward()
 
+    def wait_writes(self) -> None:
+        """Wait for every write started so far (and the deletes of records freed while they were written)."""
+        self._writer.submit(lambda: None).result()
+
     # -- lifetime and stats --------------------------------------------------------------------------------------
     def stats(self) -> ActivationStats:
         with self._lock:
@@ -541,7 +561,7 @@ class ActivationOffload:
             for ref in self._order:
                 rec = ref()
                 if rec is not None and not rec.freed:
-                    rec.owner = None  # type: ignore[assignment]
+                    rec.owner = None
                     rec.freed = True
                     self._delete(rec.key)
             self._order.clear()

@@ -194,9 +194,9 @@ class OffloadConfig:
         for k in aio:
             ignored.append(f"aio.{k} (the store sizes and queues its own requests)")
         for k in ds_config:
-            if k not in ("zero_optimization", "fp16", "bf16", "bfloat16", "aio", "activation_checkpointing", "train_batch_size",
-                         "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
-                         "scheduler", "gradient_clipping"):
+            if k not in ("zero_optimization", "fp16", "bf16", "bfloat16", "aio", "activation_checkpointing",
+                         "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                         "optimizer", "scheduler", "gradient_clipping"):
                 ignored.append(k)
         kw.update(overrides)
         if ignored:
