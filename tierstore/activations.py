@@ -316,7 +316,7 @@ class ActivationOffload:
             if self._closed or self._keep_reason(t) is not None:
                 self._counts["kept"] += 1
                 return _Kept(t)
-            flat, stride = _span_of(t)
+            flat, stride = _span_of(t.detach())  # no autograd history for our own views and copies
             skey = (flat.untyped_storage().data_ptr(), flat.storage_offset(), flat.numel(), t.dtype, t.shape,
                     stride, t._version)
             old = self._by_storage.get(skey)
