@@ -87,6 +87,8 @@ def test_world2_bit_equal_to_no_offload(tmp_path):
 def test_offload_config_checks(tmp_path):
     with pytest.raises(TierstoreValueError, match="activation_offload"):
         OffloadConfig(activation_offload="device")
+    with pytest.raises(TierstoreValueError, match="activation_mode"):
+        OffloadConfig(activation_offload="host", activation_mode="every")
     with pytest.raises(TierstoreValueError, match="nvme_paths"):
         OffloadConfig(activation_offload="nvme")
 

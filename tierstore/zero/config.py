@@ -99,6 +99,9 @@ class OffloadConfig:
         if self.activation_offload not in (None, "host", "nvme"):
             raise TierstoreValueError(f"OffloadConfig(activation_offload={self.activation_offload!r}): use None, "
                                       "'host' or 'nvme'")
+        if self.activation_mode not in ("all", "checkpoint"):
+            raise TierstoreValueError(f"OffloadConfig(activation_mode={self.activation_mode!r}): use 'all' or "
+                                      "'checkpoint'")
         if self.activation_offload == "nvme" and not self.nvme_paths:
             raise TierstoreValueError("OffloadConfig(activation_offload='nvme') needs nvme_paths=['/path/on/nvme']")
         if not self.initial_loss_scale > 0 or not self.min_loss_scale > 0:
