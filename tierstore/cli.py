@@ -17,6 +17,8 @@ BENCHMARKS = {
     "partition": "layout of GPT-2/7B shapes: I/O requests per rank, their size, padding vs one file per parameter",
     "optim": "Zero3Optimizer step on host / NVMe / NVMe+8-bit vs fused torch AdamW, the raw disk and the compute",
     "hpz": "bytes of ZeRO-3's all-gathers inside and across simulated nodes per step, without and with hpZ / qwZ",
+    "activations": "a GPT step with long sequences: peak RSS and time, torch plain / checkpointed vs activation "
+                   "offload to host / NVMe",
     "scale": "one GPT family from 64M to 1B parameters on NVMe: peak RSS, bytes on disk, step time per parameter",
 }
 

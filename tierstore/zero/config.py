@@ -62,6 +62,11 @@ class OffloadConfig:
         max_norm and the global norm the previous clip_grad_norm_ call gave; the first step is not clipped).
     gradient_clipping: when set (> 0), step() clips the gradients to this global L2 norm, unless
         clip_grad_norm_ was called since the last step (DeepSpeed's `gradient_clipping`). None or 0: off.
+    activation_offload: None, 'host' or 'nvme': the tensors the model's forward saves for backward go to that
+        tier (tierstore.ActivationOffload, attached to the ZeRO-3 hooks; docs/activations.md); 'nvme' uses
+        ``<nvme_path>/activations-rank<r>``. activation_mode: 'all' or 'checkpoint' (only the inputs
+        torch.utils.checkpoint keeps). activation_budget_bytes: the most bytes offloaded at once (None: no
+        limit). activation_compress: None (exact), 'bf16' or a quantization scheme ('int8'), nvme only.
     """
 
     params: str = "device"
@@ -85,6 +90,10 @@ class OffloadConfig:
     hpz_partition_size: int | str = 1  # hpZ: ranks per secondary partition (1: off; 'node': ranks per node)
     overlap_step: bool = False
     clip_mode: str = "exact"
+    activation_offload: str | None = None  # None, 'host' or 'nvme'
+    activation_mode: str = "all"  # 'all' or 'checkpoint'
+    activation_budget_bytes: int | None = None  # bytes
+    activation_compress: str | None = None
     extra: dict = field(default_factory=dict)  # keys from_deepspeed could not map, kept for reference
 
     def __post_init__(self) -> None:
@@ -127,6 +136,14 @@ class OffloadConfig:
                                       f"exact clipping needs the global norm before any sub-group is stepped; add "
                                       f"clip_mode='previous_norm' (clip with the previous step's norm), or "
                                       f"overlap_step=False")
+        if self.activation_offload not in (None, "host", "nvme"):
+            raise TierstoreValueError(f"OffloadConfig(activation_offload={self.activation_offload!r}): use None, "
+                                      "'host' or 'nvme'")
+        if self.activation_mode not in ("all", "checkpoint"):
+            raise TierstoreValueError(f"OffloadConfig(activation_mode={self.activation_mode!r}): use 'all' or "
+                                      "'checkpoint'")
+        if self.activation_offload == "nvme" and not self.nvme_paths:
+            raise TierstoreValueError("OffloadConfig(activation_offload='nvme') needs nvme_paths=['/path/on/nvme']")
         if not self.initial_loss_scale > 0 or not self.min_loss_scale > 0:
             raise TierstoreValueError("OffloadConfig: initial_loss_scale and min_loss_scale must be > 0")
 
@@ -160,7 +177,6 @@ class OffloadConfig:
             warnings.warn("OffloadConfig.from_deepspeed ignored: " + ", ".join(names), stacklevel=2)
         m.config.extra["ignored"] = names
         return m.config
-
 
 
 # -- DeepSpeed configs ------------------------------------------------------------------------------------
@@ -348,12 +364,40 @@ def map_deepspeed(ds_config, overrides: Mapping[str, Any]) -> MappedDeepSpeed:
     ignored += [f"bf16.{k}" for k in bf16]
     ignored += [f"aio.{k}" for k in section(ds, "aio")]
     _rows(ds, "", TOP_KEYS, kw, resolved)
+    ignored += _map_activation_checkpointing(section(ds, "activation_checkpointing"), kw)
     rest = {k: ds.pop(k) for k in BUILT_ELSEWHERE if k in ds}
     for k in ds:
-        if k not in ("zero_optimization", "fp16", "bf16", "bfloat16", "aio"):
+        if k not in ("zero_optimization", "fp16", "bf16", "bfloat16", "aio", "activation_checkpointing"):
             ignored.append(k)
     ignored = [f"{k} ({WHY_IGNORED.get(k) or WHY_IGNORED[k.split('.')[0]]})"
                if k in WHY_IGNORED or k.split(".")[0] in WHY_IGNORED else k for k in ignored]
     kw.update(overrides)
     kw["extra"] = {"ignored": list(ignored)}
     return MappedDeepSpeed(OffloadConfig(**kw), ignored, rest)
+
+
+# What stands in for DeepSpeed's activation_checkpointing keys that need no mapping (named in the warning).
+_ACTIVATION_NOTES = {
+    "partition_activations": "tierstore has no model parallelism to partition over; activation_offload frees "
+                             "the memory instead",
+    "contiguous_memory_optimization": "each offloaded tensor is one contiguous extent of the store",
+    "number_checkpoints": "the store needs no preallocated checkpoint buffers",
+    "synchronize_checkpoint_boundary": "nothing to synchronize: reads and writes are waited for where used",
+    "profile": "see ActivationOffload.stats()",
+}
+
+
+def _map_activation_checkpointing(section, kw: dict) -> list[str]:
+    """DeepSpeed's ``activation_checkpointing`` -> kw; returns the keys it notes as not mapped."""
+    sec = dict(section or {})
+    if sec.pop("cpu_checkpointing", False):
+        kw["activation_offload"] = "host"
+        kw["activation_mode"] = "checkpoint"
+    noted = []
+    for k, v in sec.items():
+        note = _ACTIVATION_NOTES.get(k)
+        if note is None:
+            noted.append(f"activation_checkpointing.{k}")
+        elif v:
+            noted.append(f"activation_checkpointing.{k} ({note})")
+    return noted

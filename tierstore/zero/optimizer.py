@@ -274,6 +274,15 @@ class Zero3Optimizer(torch.optim.Optimizer):
         elif config.overlap_step:
             log.info("OffloadConfig(overlap_step=True) at world size %d: sub-groups are stepped in step(), after "
                      "backward (the overlapped step is implemented at world size 1)", self.world_size)
+        self.activations = None  # tierstore.ActivationOffload when config.activation_offload is set
+        if config.activation_offload is not None:
+            from ..activations import ActivationOffload
+            act_paths = [os.path.join(p, f"activations-rank{self.rank}") for p in config.nvme_paths] \
+                if config.activation_offload == "nvme" and config.nvme_paths else None
+            self.activations = ActivationOffload(
+                config.activation_offload, paths=act_paths, mode=config.activation_mode,
+                budget_bytes=config.activation_budget_bytes, compress=config.activation_compress)
+            self.activations.attach(self.coordinator)
         for gid in range(len(self.layout.subgroups)):
             self.coordinator.release(gid)
         for _name, p in self._params.items():
@@ -811,6 +820,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self.module_state.remove()
         if self._stream is not None:
             self._stream.close()
+        if self.activations is not None:
+            self.activations.close()
         self._stepper.close()
         self.store.close(flush=False)
         self.store = None  # type: ignore[assignment]  # None marks it closed; a Store for as long as it is open

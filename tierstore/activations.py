@@ -1,0 +1,583 @@
+"""Activation offload: the tensors autograd saves for backward go through a Store to the host or nvme tier.
+
+    with tierstore.ActivationOffload("nvme", paths=["/nvme0/act"]) as act:
+        for x, y in data:
+            with act:                       # the hooks are on inside the block (re-enter it every step)
+                loss = loss_fn(model(x), y)
+            loss.backward()                 # saved tensors come back, read ahead in reverse pack order
+    # or with ZeRO-3: OffloadConfig(activation_offload="nvme") (see docs/activations.md)
+
+``mode='all'`` offloads every saved tensor that qualifies; ``mode='checkpoint'`` only the inputs that
+torch.utils.checkpoint keeps for its recomputation (both the reentrant and the non-reentrant variant), as
+DeepSpeed's ``cpu_checkpointing`` does. Everything else stays in memory, untouched.
+
+[Note: what is offloaded]
+A saved tensor stays in memory (returned as it is) when it is smaller than ``min_bytes``, an
+``nn.Parameter`` or a view of one (ZeRO-3's gathered parameters are views of its buckets, which the hooks
+release and gather again on their own: [Note: gather and release] in zero/hooks.py), a tensor subclass,
+sparse, quantized, conjugated or negated, saved while a backward runs (a recomputation: it is used right
+away), outside ``mode``, or when offloading it would take the bytes held by the store past ``budget_bytes``.
+What is offloaded is written by a background thread: the tensor is held until its bytes are in the store,
+then let go, so its memory is freed as soon as the forward no longer uses it.
+
+[Note: exact round trip]
+What goes to the store is the tensor's bytes, as uint8: a contiguous tensor as it is; a non-overlapping
+dense one (a transpose, a permutation) as its span of storage, restored with the same strides; an
+overlapping or gapped view as its span when that is at most twice its elements (restored with the same
+strides), else as a contiguous copy (restored contiguous: the same values, other strides). So the values
+and dtypes (bool and integers included) come back bit for bit, and with the same strides wherever the
+span is stored, which keeps kernels that pick a path by stride on the same path: gradients are
+``torch.equal`` to torch's own. Compression (``compress='bf16'`` or a block-quantization scheme of
+tierstore.quant such as ``'int8'``, floating tensors on the nvme tier only) is lossy and off by default.
+
+[Note: saved tensors and versions]
+torch does not check the version counter of a tensor that went through saved-tensor hooks, so this module
+does: the pack records ``tensor._version`` and a weak reference; the unpack raises torch's usual
+"modified by an inplace operation" error when the tensor is alive and its version moved (kept tensors
+included). A tensor modified in place after the write finished whose every Python reference is gone can
+no longer be observed, and the stored value is the one that was saved, which is what backward needs.
+The same tensor saved twice (the same object at the same version, or another view of the same storage
+span, alive, at the same version) is stored once: both saves share one record.
+
+[Note: lifetime of a saved activation]
+The record the pack returns is held by autograd's saved variable. The store's copy lives until autograd
+lets the record go -- right after the node that used it ran, in a backward without ``retain_graph`` --
+or until ``close()``. So ``retain_graph=True`` and double backward (``create_graph=True``) work: a second
+unpack reads the value again; a tensor saved and never unpacked (its graph dropped without backward, or a
+branch the backward did not reach) is freed when its graph goes. The memory the read brought back is
+handed to autograd and not kept. A record unpacked after ``close()`` raises MisuseError.
+
+[Note: read ahead]
+The records of offloaded tensors are kept in pack order. When backward unpacks the record at position p,
+the records below p are read on a worker thread, from p - 1 down, until ``prefetch_bytes`` are read and not
+yet unpacked: backward runs (nearly) in the reverse order of the forward, so those are the next ones it
+needs. A record whose write has not finished yet is not read: its tensor is still in memory and is used
+as it is (the write is cancelled or its result discarded). With ZeRO-3 the ``backward_begin`` event of its
+hooks ([Note: hook events] in zero/events.py) starts the reads before the first unpack.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import MisuseError, TierstoreValueError
+from .store import Store
+
+__all__ = ["MODES", "ActivationOffload", "ActivationStats"]
+
+log = logging.getLogger("tierstore.activations")
+
+MODES = ("all", "checkpoint")
+TIERS = ("host", "nvme")
+_BF16 = "bf16"
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class ActivationStats:
+    """What an ActivationOffload did since it was made (``act.stats()``)."""
+
+    packed: int  # saved tensors seen by the pack hook
+    offloaded: int  # ... written to the store
+    offloaded_bytes: int  # bytes of those tensors (before compression)
+    kept: int  # ... kept in memory ([Note: what is offloaded])
+    kept_over_budget: int  # ... of which because budget_bytes was reached
+    deduplicated: int  # saves that shared the record of an earlier save of the same tensor
+    unpacked: int  # unpacks of offloaded records
+    prefetch_hits: int  # ... whose read was started ahead (read ahead, [Note: read ahead])
+    unwritten_hits: int  # ... whose tensor was still in memory (its write not finished)
+    misses: int  # ... read when backward asked for them
+    held_bytes: int  # bytes held in the store now
+    peak_held_bytes: int  # the most bytes held in the store at once
+
+
+class _Kept:
+    """A saved tensor kept in memory, with the version it had (torch checks none with hooks)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.version = tensor._version
+
+
+class _Saved:
+    """One offloaded tensor: its layout, where it is, and what is in flight for it."""
+
+    __slots__ = ("__weakref__", "owner", "key", "pos", "size", "stride", "span", "dtype", "stored_dtype", "device",
+                 "version", "ref", "nbytes", "data", "write", "read", "written", "freed", "modified", "storage_key")
+
+    def __init__(self, owner: ActivationOffload, key: str, t: torch.Tensor):
+        self.owner = owner
+        self.key = key
+        self.pos = -1  # index in the owner's pack order
+        self.size = tuple(t.shape)
+        self.dtype = t.dtype
+        self.stored_dtype = t.dtype
+        self.device = t.device
+        self.version = t._version
+        self.ref = weakref.ref(t)
+        self.stride: tuple[int, ...] | None = None  # None: restored contiguous
+        self.span = 0  # elements stored
+        self.nbytes = 0  # bytes stored (before compression)
+        self.data: torch.Tensor | None = None  # the flat span while its write is pending
+        self.write: Future | None = None
+        self.read: Future | None = None
+        self.written = False
+        self.freed = False
+        self.modified = False
+        self.storage_key: tuple | None = None
+
+    def __del__(self):
+        owner = self.owner
+        if owner is not None:
+            owner._release(self)
+
+
+def _span_of(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """(flat contiguous tensor to store, strides to restore it with -- None: contiguous). [Note: exact round trip]"""
+    if t.is_contiguous():
+        return t.reshape(-1), None
+    n = t.numel()
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))  # elements from the first to the last
+    if extent <= 2 * n:  # dense (extent == n) or a modest span: keep the strides
+        return t.as_strided((extent,), (1,), t.storage_offset()), tuple(t.stride())
+    return t.contiguous().reshape(-1), None
+
+
+def _param_or_view(t: torch.Tensor) -> bool:
+    while t is not None:
+        if isinstance(t, torch.nn.Parameter):
+            return True
+        t = t._base  # type: ignore[assignment]
+    return False
+
+
+def _checkpoint_codes() -> tuple[set, Any]:
+    """The code objects on the stack while torch.utils.checkpoint saves its inputs (both variants)."""
+    import inspect
+
+    import torch.utils.checkpoint as tuc
+    codes = set()
+    frame_cls = getattr(tuc, "_CheckpointFrame", None)
+    if frame_cls is not None and hasattr(frame_cls, "save_inputs"):
+        codes.add(frame_cls.save_inputs.__code__)  # non-reentrant: _make_saved_tensor in save_inputs
+    apply = inspect.unwrap(torch.autograd.Function.apply.__func__)  # type: ignore[attr-defined]
+    return codes, (apply.__code__, getattr(tuc, "CheckpointFunction", None))
+
+
+class ActivationOffload:
+    """Saved tensors for backward on the host or nvme tier. See the module docstring and docs/activations.md.
+
+    tier: 'host' (page-locked memory: frees accelerator memory) or 'nvme' (files under `paths`).
+    paths: directories for the nvme tier (default: a temporary directory, removed at close); ignored with
+        `store`. store: an open Store to use instead of one of our own (its names starting with `prefix`).
+    mode: 'all' or 'checkpoint' ([Note: what is offloaded]).
+    budget_bytes: the most bytes held in the store at once (None: no limit); past it tensors stay in memory.
+    min_bytes: smaller tensors stay in memory (bytes).
+    prefetch_bytes: bytes read ahead of backward ([Note: read ahead]).
+    write_behind_bytes: bytes of saved tensors waiting for their write at most; past it the forward waits for the
+        oldest write (so the memory of the tensors in flight stays bounded when the disk is slower than compute).
+    compress: None (exact), 'bf16' or a quantization scheme name of tierstore.quant ('int8', 'dyn8s', ...):
+        floating tensors stored on the nvme tier in fewer bytes, lossy (docs/activations.md has the error).
+    pinned_bytes: the page-locked staging budget of our own store (bytes).
+    """
+
+    def __init__(self, tier: str = "nvme", *, paths: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+                 store: Store | None = None, mode: str = "all", budget_bytes: int | None = None,
+                 min_bytes: int = 64 << 10, prefetch_bytes: int = 16 << 20, write_behind_bytes: int = 16 << 20,
+                 compress: str | None = None, pinned_bytes: int = 16 << 20, prefix: str = "act/"):
+        if tier not in TIERS:
+            raise TierstoreValueError(f"ActivationOffload(tier={tier!r}): use 'host' or 'nvme'")
+        if mode not in MODES:
+            raise TierstoreValueError(f"ActivationOffload(mode={mode!r}): use 'all' (every saved tensor) or "
+                                      "'checkpoint' (only the inputs torch.utils.checkpoint keeps)")
+        for name, v, least in (("min_bytes", min_bytes, 0), ("prefetch_bytes", prefetch_bytes, 0),
+                               ("write_behind_bytes", write_behind_bytes, 0),
+                               ("pinned_bytes", pinned_bytes, 1 << 20)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise TierstoreValueError(f"ActivationOffload({name}={v!r}): an int number of bytes >= {least}")
+        if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
+                                         or budget_bytes < 0):
+            raise TierstoreValueError(f"ActivationOffload(budget_bytes={budget_bytes!r}): an int number of bytes "
+                                      ">= 0, or None for no limit")
+        self._codec = None
+        if compress is not None:
+            if tier != "nvme":
+                raise TierstoreValueError(f"ActivationOffload(compress={compress!r}) applies to the nvme tier; "
+                                          "with tier='host' leave compress=None")
+            if compress != _BF16:
+                from .quant import schemes
+                schemes.get(compress)  # raises naming the registered schemes
+        self.tier = tier
+        self.mode = mode
+        self.budget_bytes = budget_bytes
+        self.min_bytes = min_bytes
+        self.prefetch_bytes = prefetch_bytes
+        self.write_behind_bytes = write_behind_bytes
+        self.compress = compress
+        self._prefix = prefix
+        self._tmp: str | None = None
+        self._own_store = store is None
+        if store is None:
+            if paths is None:
+                self._tmp = tempfile.mkdtemp(prefix="tierstore-act-")
+                paths = [self._tmp]
+            store = Store(paths, host_budget=None if tier == "host" else 0, device_budget=0,
+                          pinned_budget=pinned_bytes, lock_memory=tier == "host", workers=1)
+        self.store = store
+        self._lock = threading.RLock()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstore-act-write")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstore-act-read")
+        self._ids = itertools.count()
+        self._order: list[weakref.ref] = []  # offloaded records in pack order ([Note: read ahead])
+        self._low: int | None = None  # lowest position whose read was considered in this backward
+        self._ahead_bytes = 0  # bytes read ahead and not yet unpacked
+        self._by_storage: dict[tuple, weakref.ref] = {}
+        self._live = 0
+        self._pending: list[tuple[Future, int]] = []  # writes in flight, oldest first, with their bytes
+        self._pending_bytes = 0
+        self._held = 0
+        self._peak = 0
+        self._counts = dict.fromkeys(("packed", "offloaded", "offloaded_bytes", "kept", "kept_over_budget",
+                                      "deduplicated", "unpacked", "prefetch_hits", "unwritten_hits", "misses"), 0)
+        self._contexts: list = []
+        self._closed = False
+        self._ckpt_codes, (self._apply_code, self._ckpt_fn) = _checkpoint_codes()
+        self._subscription = None
+        self._attached_ctx = False
+        self._error: BaseException | None = None
+
+    # -- the hooks ------------------------------------------------------------------------------------------
+    def __enter__(self) -> ActivationOffload:
+        if self._closed:
+            raise MisuseError("this ActivationOffload is closed; make a new one")
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        ctx.__enter__()
+        self._contexts.append(ctx)
+        with self._lock:
+            self._low = None  # a new forward: the next backward starts reading from the top
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._contexts:
+            raise MisuseError("ActivationOffload.__exit__ without a matching __enter__")
+        self._contexts.pop().__exit__(*exc)
+
+    def _in_checkpoint_inputs(self) -> bool:
+        """True when torch.utils.checkpoint is saving its inputs (the caller's frames say so)."""
+        f: Any = sys._getframe(3)  # 0: here, 1: _keep_reason, 2: _pack, 3: who saves
+        for _ in range(4):
+            if f is None:
+                return False
+            if f.f_code in self._ckpt_codes:
+                return True
+            if f.f_code is self._apply_code and self._ckpt_fn is not None and \
+                    f.f_locals.get("cls") is self._ckpt_fn:
+                return True
+            f = f.f_back
+        return False
+
+    def _keep_reason(self, t: torch.Tensor) -> str | None:
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            return "subclass"
+        if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg() or t.device.type == "meta":
+            return "layout"
+        if t.numel() * t.element_size() < self.min_bytes:
+            return "small"
+        if _param_or_view(t):
+            return "parameter"
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        if self.mode == "checkpoint" and not self._in_checkpoint_inputs():
+            return "mode"
+        return None
+
+    def _pack(self, t: torch.Tensor):
+        with self._lock:
+            if self._error is not None:
+                e, self._error = self._error, None  # a write failed; its tensor (and the others') is in memory
+                log.error("writing a saved activation to the %s tier failed; the tensors not written stay in "
+                          "memory", self.tier)
+                raise e
+            self._counts["packed"] += 1
+            if self._closed or self._keep_reason(t) is not None:
+                self._counts["kept"] += 1
+                return _Kept(t)
+            flat, stride = _span_of(t.detach())  # no autograd history for our own views and copies
+            skey = (flat.untyped_storage().data_ptr(), flat.storage_offset(), flat.numel(), t.dtype, t.shape,
+                    stride, t._version)
+            old = self._by_storage.get(skey)
+            rec = old() if old is not None else None
+            if rec is not None and not rec.freed and not rec.modified:
+                src = rec.ref()
+                if src is not None and src.untyped_storage().data_ptr() == skey[0] and src._version == t._version:
+                    self._counts["deduplicated"] += 1
+                    return rec
+            nbytes = flat.numel() * flat.element_size()
+            if self.budget_bytes is not None and self._held + nbytes > self.budget_bytes:
+                self._counts["kept"] += 1
+                self._counts["kept_over_budget"] += 1
+                return _Kept(t)
+            rec = _Saved(self, f"{self._prefix}{next(self._ids)}", t)
+            rec.stride = stride
+            rec.span = flat.numel()
+            rec.nbytes = nbytes
+            rec.storage_key = skey
+            rec.data = flat
+            rec.pos = len(self._order)
+            self._order.append(weakref.ref(rec))
+            self._by_storage[skey] = weakref.ref(rec)
+            self._live += 1
+            self._held += nbytes
+            self._peak = max(self._peak, self._held)
+            self._counts["offloaded"] += 1
+            self._counts["offloaded_bytes"] += nbytes
+            self._low = None
+            rec.write = self._writer.submit(self._write, rec)
+            self._pending.append((rec.write, nbytes))
+            self._pending_bytes += nbytes
+            waits = []
+            while self._pending and (self._pending[0][0].done() or self._pending_bytes > self.write_behind_bytes):
+                fut, n = self._pending.pop(0)
+                self._pending_bytes -= n
+                waits.append(fut)
+        for fut in waits:  # back-pressure, outside the lock: the writer takes it when it finishes
+            if not fut.cancelled():
+                fut.exception()  # waits; an error is raised by the next pack (self._error)
+        return rec
+
+    def _encode(self, rec: _Saved, flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if self.compress is None or rec.dtype not in _FLOATS:
+            return flat.view(torch.uint8), None
+        if self.compress == _BF16:
+            rec.stored_dtype = torch.bfloat16
+            return flat.to(torch.bfloat16), None
+        from .quant.codecs import codec_for
+        rec.stored_dtype = rec.dtype
+        return flat, codec_for(self.compress, dtype=rec.dtype)
+
+    def _write(self, rec: _Saved) -> None:
+        """On the writer thread: the record's bytes into the store, then its tensor let go."""
+        with self._lock:
+            flat = rec.data
+            if flat is None or rec.freed:
+                return
+        try:
+            value, codec = self._encode(rec, flat)
+            self.store.put(rec.key, value, self.tier, codec=codec)
+        except BaseException as e:  # the tensor is kept (rec.data); the next pack raises it
+            with self._lock:
+                self._error = e
+            raise
+        with self._lock:
+            src = rec.ref()
+            if src is not None and src._version != rec.version:
+                rec.modified = True  # changed while we wrote: unpack raises (it is alive)
+            if rec.freed:
+                self._delete(rec.key)
+                return
+            rec.written = True
+            rec.data = None
+
+    def _delete(self, key: str) -> None:
+        try:
+            if not self.store._closed and key in self.store:
+                self.store.delete(key)
+        except Exception:  # a release must not raise into autograd's destructor path
+            log.exception("deleting saved activation %s failed", key)
+
+    def _release(self, rec: _Saved) -> None:
+        """The record's last reference went ([Note: lifetime of a saved activation])."""
+        with self._lock:
+            if rec.freed:
+                return
+            rec.freed = True
+            self._live -= 1
+            self._held -= rec.nbytes
+            if rec.read is not None:  # read ahead and never used
+                rec.read.cancel()
+                self._ahead_bytes -= rec.nbytes
+            rec.read = None
+            rec.data = None
+            if rec.written:
+                self._delete(rec.key)
+            elif rec.write is not None and rec.write.cancel():
+                pass  # never written
+            if self._live == 0:
+                self._order.clear()
+                self._by_storage.clear()
+                self._low = None
+
+    def _check_version(self, t_version: int | None, rec_version: int, size, dtype) -> None:
+        if t_version is not None and t_version != rec_version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{dtype}{list(size)}] is at version {t_version}; expected version {rec_version} instead "
+                "(saved through tierstore.ActivationOffload). Hint: do not modify a tensor in place after an "
+                "operation saved it for backward, or clone it first.")
+
+    def _unpack(self, packed) -> torch.Tensor:
+        if isinstance(packed, _Kept):
+            self._check_version(packed.tensor._version, packed.version, packed.tensor.shape, packed.tensor.dtype)
+            return packed.tensor
+        rec: _Saved = packed
+        src = rec.ref()
+        self._check_version(src._version if src is not None else None, rec.version, rec.size, rec.dtype)
+        if rec.modified:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{rec.dtype}{list(rec.size)}] changed while tierstore.ActivationOffload wrote it (saved at version "
+                f"{rec.version}). Hint: do not modify a tensor in place after an operation saved it for backward")
+        with self._lock:
+            if self._closed:
+                raise MisuseError(f"saved activation {rec.key!r} is used by a backward after its ActivationOffload "
+                                  "was closed (its value is gone); close it only after the backward")
+            self._counts["unpacked"] += 1
+            flat = rec.data
+            if flat is not None:  # still in memory: its write is pending (or running)
+                self._counts["unwritten_hits"] += 1
+            read = rec.read
+            rec.read = None
+            self._read_ahead(rec.pos)
+        if flat is None:
+            if read is not None:
+                self._counts["prefetch_hits"] += 1
+                try:
+                    flat = read.result()
+                finally:
+                    with self._lock:
+                        self._ahead_bytes -= rec.nbytes
+            else:
+                self._counts["misses"] += 1
+                flat = self._read(rec)
+        return self._restore(rec, flat)
+
+    def _read(self, rec: _Saved) -> torch.Tensor:
+        """The record's flat span, as it was saved, on the CPU (on the reader thread, or inline on a miss)."""
+        if self.compress is not None and rec.dtype in _FLOATS:
+            value = self.store.get(rec.key)
+            return value.to(rec.dtype) if value.dtype != rec.dtype else value
+        out = torch.empty(rec.nbytes, dtype=torch.uint8)
+        return self.store.get(rec.key, out=out).view(rec.dtype)
+
+    def _read_ahead(self, pos: int) -> None:
+        """Start the reads of the records below `pos` (lock held). [Note: read ahead]"""
+        j = min(pos, self._low if self._low is not None else len(self._order)) - 1
+        while j >= 0 and self._ahead_bytes < self.prefetch_bytes:
+            rec = self._order[j]()
+            if rec is not None and not rec.freed and rec.read is None and rec.written and rec.data is None:
+                rec.read = self._reader.submit(self._read, rec)
+                self._ahead_bytes += rec.nbytes
+            j -= 1
+        self._low = j + 1
+
+    def _restore(self, rec: _Saved, flat: torch.Tensor) -> torch.Tensor:
+        if flat.dtype != rec.dtype:
+            flat = flat.view(rec.dtype) if flat.dtype == torch.uint8 else flat.to(rec.dtype)
+        if flat.device != rec.device:
+            flat = flat.to(rec.device, non_blocking=True)  # accelerator only: never run here (no GPU)
+        if rec.stride is None:
+            return flat.view(rec.size)
+        return flat.as_strided(rec.size, rec.stride, flat.storage_offset())
+
+    # -- ZeRO-3 events ([Note: hook events] in zero/events.py) --------------------------------------------------
+    def attach(self, coordinator) -> None:
+        """Follow a ZeRO-3 ParamCoordinator (``opt.coordinator``): the hooks are on during each forward of its
+        model (forward_begin .. forward_end) and the reads start at backward_begin. See [Note: attached to
+        ZeRO-3]."""
+        if self._subscription is not None:
+            raise MisuseError("this ActivationOffload already follows a ZeRO-3 coordinator")
+        self._subscription = coordinator.subscribe(self)
+
+    def forward_begin(self) -> None:
+        """Enter the hooks for this forward of the attached model.
+
+        [Note: attached to ZeRO-3]
+        Attached, the hooks are entered at the coordinator's ``forward_begin`` and left at its ``forward_end``
+        (both on the main thread, around the model's forward only: a loss computed after it is not offloaded).
+        A forward that raised never sent ``forward_end``: the next ``forward_begin`` or an aborted
+        ``backward_end`` leaves the hooks it entered first, so they never pile up."""
+        self._leave_forward()
+        self.__enter__()
+        self._attached_ctx = True
+
+    def forward_end(self) -> None:
+        self._leave_forward()
+
+    def _leave_forward(self) -> None:
+        if self._attached_ctx:
+            self._attached_ctx = False
+            self.__exit__(None, None, None)
+
+    def backward_begin(self, entries: int) -> None:
+        self._leave_forward()
+        with self._lock:
+            self._low = None
+            self._read_ahead(len(self._order))
+
+    def backward_end(self, aborted: bool) -> None:
+        self._leave_forward()
+
+    def wait_writes(self) -> None:
+        """Wait for every write started so far (and the deletes of records freed while they were written)."""
+        self._writer.submit(lambda: None).result()
+
+    # -- lifetime and stats --------------------------------------------------------------------------------------
+    def stats(self) -> ActivationStats:
+        with self._lock:
+            return ActivationStats(**self._counts, held_bytes=self._held, peak_held_bytes=self._peak)
+
+    def close(self) -> None:
+        """Free every offloaded tensor (a backward that still needs one raises) and the store. Idempotent."""
+        if self._closed:
+            return
+        if self._subscription is not None:
+            self._subscription.remove()
+            self._leave_forward()
+        with self._lock:
+            self._closed = True
+            for ref in self._order:
+                rec = ref()
+                if rec is not None:
+                    rec.data = None
+                    if rec.write is not None:
+                        rec.write.cancel()
+        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        with self._lock:
+            for ref in self._order:
+                rec = ref()
+                if rec is not None and not rec.freed:
+                    rec.owner = None
+                    rec.freed = True
+                    self._delete(rec.key)
+            self._order.clear()
+            self._by_storage.clear()
+        if self._own_store:
+            self.store.close(flush=False)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return (f"ActivationOffload(tier={self.tier!r}, mode={self.mode!r}, held={self._held} bytes, "
+                f"closed={self._closed})")
