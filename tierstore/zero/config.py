@@ -46,6 +46,7 @@ class OffloadConfig:
     pinned_bytes: page-locked staging budget the nvme tier streams through (bytes).
     pipeline_depth: sub-groups in flight in the step (read i+1, step i, write i-1 is 3).
     initial_loss_scale, loss_scale_window, min_loss_scale: fp16 dynamic loss scaling.
+    io_tuning: path of a `tierstore tune DIR` recommendation for the store's I/O (see tierstore/io/tuning.py).
     """
 
     params: str = "device"
@@ -65,6 +66,7 @@ class OffloadConfig:
     loss_scale_window: int = 1000  # steps without overflow before the scale doubles
     min_loss_scale: float = 1.0
     intra_node_size: int | None = None  # qgZ: ranks per node (default: all)
+    io_tuning: str | None = None
     extra: dict = field(default_factory=dict)  # keys from_deepspeed could not map, kept for reference
 
     def __post_init__(self) -> None:
@@ -87,6 +89,9 @@ class OffloadConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
                 raise TierstoreValueError(f"OffloadConfig({name}={v!r}): an integer >= {least}")
+        if self.io_tuning is not None:
+            from ..io import Tuning
+            Tuning.coerce(self.io_tuning)  # a bad file is refused here, naming it
         if not self.initial_loss_scale > 0 or not self.min_loss_scale > 0:
             raise TierstoreValueError("OffloadConfig: initial_loss_scale and min_loss_scale must be > 0")
 
