@@ -478,8 +478,10 @@ class Engine:
         return self._backend.name
 
     def register_pool(self, pool: BufferPool) -> bool:
-        """Register the pool's memory as fixed buffers (io_uring). Returns whether the kernel took it."""
-        self.buffers_registered = self._backend.register_buffers(pool.regions() + self._bounce.regions())
+        """Register the pool's memory as fixed buffers (io_uring). Returns whether the kernel took it. The
+        bounce buffers are registered with it where the page-lock limit allows both, else the pool alone."""
+        self.buffers_registered = (self._backend.register_buffers(pool.regions() + self._bounce.regions())
+                                   or self._backend.register_buffers(pool.regions()))
         return self.buffers_registered
 
     @classmethod
