@@ -284,7 +284,9 @@ def run(args) -> int:
             mix_jobs = [(seq_path, "read"), (mix_path, "write")]
             fio_cmds["fio/io_uring read+write"] = shlex.join(fio_wall_cmd(mix_jobs, "io_uring", 1 << 20, 32, size))
             mix_cases["fio/io_uring read+write"] = lambda: fio_wall(mix_jobs, "io_uring", 1 << 20, 32, size)
-        path_cases = paths_workload(work, min(size, 1 << 30), closers)
+        pcases = paths_workload(work, min(size, 1 << 30), closers)
+        pbytes = pcases.nbytes
+        path_cases: dict[str, Callable[[], float | None]] = {k: cpu.wrap(k, fn) for k, fn in pcases.items()}
         small_cases, small_info = small_workload(work, small_count, backends, ds_mod)
         closers.extend(small_info.pop("closers"))
         total = rounds * (len(cases) + len(small_cases) + len(rand_cases) + len(mix_cases) + len(path_cases))
@@ -374,16 +376,21 @@ def run(args) -> int:
                 ["case", "GiB/s", "vs fio" + indicative, "spread", "CPU s/GiB"], mrows)
 
     prow = []
-    pbytes = path_cases.nbytes  # type: ignore[attr-defined]
+
+    def pcpu(case: str) -> float | None:  # CPU seconds per GiB of a memory-path case, median over rounds
+        got = cpu.seconds.get(case)
+        return statistics.median(got) / (pbytes / (1 << 30)) if got else None
     for case, pref in PATH_PAIRS:
         a, b = paths[case], paths[pref]
         pr = b.median / a.median
         results["paths"][case] = {"gib_s": gib_s(pbytes, a.median), "reference": pref, "ratio": pr,
-                                  "seconds": a.seconds, "reference_seconds": b.seconds}
+                                  "seconds": a.seconds, "reference_seconds": b.seconds,
+                                  "cpu_s_per_gib": pcpu(case), "reference_cpu_s_per_gib": pcpu(pref)}
         prow.append((case, _g(gib_s(pbytes, a.median)), pref, _g(gib_s(pbytes, b.median)), f"{pr:.2f}x",
-                     spread(a), spread(b)))
+                     spread(a), spread(b), _g(pcpu(case)), _g(pcpu(pref))))
     print_table(f"memory paths, {fmt_bytes(pbytes)} (GiB/s, median of {rounds} rounds)",
-                ["case", "GiB/s", "reference", "GiB/s", "case/reference" + indicative, "spread", "ref spread"], prow,
+                ["case", "GiB/s", "reference", "GiB/s", "case/reference" + indicative, "spread", "ref spread",
+                 "CPU s/GiB", "ref CPU s/GiB"], prow,
                 caption="targets: plain tensor >= 0.9x pool buffer; put+flush >= 0.9x engine write; "
                         "get() >= 0.7x get(out=)")
 
@@ -519,7 +526,7 @@ class _PathCases(dict):
     nbytes = 0
 
 
-def paths_workload(work: str, nbytes: int, closers: list) -> dict:
+def paths_workload(work: str, nbytes: int, closers: list) -> _PathCases:
     """The memory paths of PATH_PAIRS over `nbytes`: each case and its reference, alternated."""
     import torch
 

@@ -429,7 +429,7 @@ class Engine:
     """
 
     def __init__(self, backend: str = "auto", queue_depth: int = 32, block_size: int = 1 << 20, *,
-                 direct: bool = True, pool: BufferPool | None = None, bounce_bytes: int = 16 << 20):
+                 direct: bool = True, pool: BufferPool | None = None, bounce_bytes: int = 32 << 20):
         if backend not in ("auto", "io_uring", "threads"):
             raise TierstoreValueError(f"backend={backend!r}; choose 'auto', 'io_uring' or 'threads'")
         if not 1 <= queue_depth <= 4096:
