@@ -241,8 +241,8 @@ def run(args) -> int:
         cases: dict = {}
         closers = [lambda: ds_owner.free_cpu_locked_tensor(ds_locked)] if ds_owner else []
 
-        def fio_case(key, cmd, nbytes=None):
-            fio_cmds[str(key)] = shlex.join(cmd)
+        def fio_case(key, cmd):
+            fio_cmds[_label(key)] = shlex.join(cmd)
 
             def one():
                 job = fio_job(cmd)
@@ -338,7 +338,7 @@ def run(args) -> int:
                     "op": op, "block": bs, "qd": qd, "io_uring_gib_s": u, "threads_gib_s": t, "fio_best_gib_s": fb,
                     "fio_engine": fbest_name, "fio": fios, "deepspeed_gib_s": d, "cpu_s_per_gib": cm,
                     "fio_cpu_s_per_gib": cf, "spread": spread(seq[mkey]),
-                    "fio_command": fio_cmds.get(str(fkey)) if fkey else None})
+                    "fio_command": fio_cmds.get(_label(fkey)) if fkey else None})
     print_table(f"sequential, {fmt_bytes(size)} file, O_DIRECT, median of {rounds} rounds (GiB/s)",
                 ["op", "block", "qd", "io_uring", "threads", "fio best", "DeepSpeed", "ours/fio" + indicative,
                  "ours/DS", "threads/uring", "spread", "CPU s/GiB", "fio CPU s/GiB"], rows,
@@ -608,6 +608,14 @@ def paths_workload(work: str, nbytes: int, closers: list) -> _PathCases:
         pool.close()
     closers.append(close)
     return cases
+
+
+def _label(key) -> str:
+    """A case's name: ("write", 1 MiB, 32, "fio/io_uring") -> "write 1.0 MiB qd32 fio/io_uring"."""
+    if isinstance(key, tuple):
+        op, bs, qd, who = key
+        return f"{op} {fmt_bytes(bs)} qd{qd} {who}"
+    return str(key)
 
 
 def _us(v) -> str:
