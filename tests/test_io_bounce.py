@@ -71,6 +71,7 @@ def test_plain_tensor_goes_through_o_direct_bounce(eng, fds, tmp_path, caplog):
     assert all(bounced for _, bounced in fds)
     st = eng.stats()
     assert st["bounced"] == 3 * n and st["buffered"] == 0 and st["direct"] == 0, st
+    assert (eng._copier is not None) == (eng.backend == "io_uring")  # reads copied out off the collector
     logged = [r.getMessage() for r in caplog.records if "bounce" in r.getMessage()]
     assert len(logged) == 1 and "buffer address" in logged[0] and str(path) in logged[0], logged
 

@@ -20,7 +20,8 @@ is 64-byte aligned -- cannot go to the O_DIRECT descriptor as it is, and the buf
 times slower on a large transfer (the page cache copies it and writes it back later). So such a block is
 copied through one of the engine's own bounce buffers (a small, huge-page advised pool, registered with
 io_uring with the caller's pool): a write copies block i+1 in while block i is in flight; a read lands in
-a bounce buffer covering the block's 4 KiB-aligned range and is copied out when it completes. The first
+a bounce buffer covering the block's 4 KiB-aligned range and is copied out when it completes -- with
+io_uring on two copy threads, not on the one thread that completes every request of the engine. The first
 such request of an engine is logged once at INFO, naming why. Only two things still use the buffered
 descriptor of an O_DIRECT file: the partial 4 KiB blocks at the ends of a *write* whose file range is not
 4 KiB aligned -- an O_DIRECT write of them would be a read-modify-write of a block another request may be
@@ -115,12 +116,14 @@ class Piece:
     `user`, file offset `offset + skip`, through the bounce buffer at `addr`; finish() copies a read out
     and gives the bounce buffer back. Errors always name the caller's range."""
 
-    __slots__ = ("fut", "op", "file", "fd", "addr", "length", "offset", "direct", "bounce", "user", "skip", "want")
+    __slots__ = ("fut", "op", "file", "fd", "addr", "length", "offset", "direct", "bounce", "user", "skip", "want",
+                 "copier")
 
     def __init__(self, fut, op, file, fd, addr, length, offset, direct, bounce=None, user=0, skip=0, want=0):
         self.fut, self.op, self.file, self.fd = fut, op, file, fd
         self.addr, self.length, self.offset, self.direct = addr, length, offset, direct
         self.bounce, self.user, self.skip, self.want = bounce, user, skip, want
+        self.copier: ThreadPoolExecutor | None = None  # where a bounced read is copied out (else in finish)
 
     @property
     def user_range(self) -> tuple[int, int]:
@@ -144,21 +147,31 @@ class Piece:
                     err = io_error(errno.ENOSPC, f"write (only {result} of {self.length} bytes taken)",
                                    self.file.path, off, length)
             elif self.bounce is not None and self.op == READ:
+                if self.copier is not None:  # off the thread that completes every request of the engine
+                    self.copier.submit(self._copy_out)
+                    return
                 ctypes.memmove(self.user, self.addr + self.skip, self.want)
         except BaseException as e:  # never lose a completion
             err = err or e
-        finally:
-            if self.bounce is not None:
-                self.bounce.release()
-                self.bounce = None
+        self._done(err)
+
+    def _copy_out(self) -> None:
+        err: BaseException | None = None
+        try:
+            ctypes.memmove(self.user, self.addr + self.skip, self.want)
+        except BaseException as e:  # never lose a completion
+            err = e
+        self._done(err)
+
+    def _done(self, err: BaseException | None) -> None:
+        if isinstance(self.bounce, Buffer):
+            self.bounce.release()
+            self.bounce = None
         self.fut._piece_done(err)
 
     def fail(self, error: BaseException) -> None:
         """Finish with `error` (raised while running it), giving the bounce buffer back if it has one."""
-        if isinstance(self.bounce, Buffer):
-            self.bounce.release()
-            self.bounce = None
-        self.fut._piece_done(error)
+        self._done(error)
 
 
 class _Faults:
@@ -460,6 +473,7 @@ class Engine:
         self._bounce = BufferPool(max(2 * bb, bounce_bytes // bb * bb), bb, lock=False)
         self._counts = {"direct": 0, "bounced": 0, "buffered": 0}  # bytes by path (see stats())
         self._bounce_logged = False
+        self._copier: ThreadPoolExecutor | None = None  # bounced reads' copy-out (io_uring), started when needed
         self.buffers_registered = False
         if pool is not None:
             self.register_pool(pool)
@@ -616,6 +630,12 @@ class Engine:
         """Lease a bounce buffer per piece, as they free up, and submit (see [Note: bounce buffers]): a write
         is copied in and submitted at once, so the copy of the next overlaps its transfer; reads are
         submitted in batches of the buffers free at the time, each copied out as it completes."""
+        copier = None
+        if op == READ and self.backend == "io_uring":  # its one collector thread completes everything
+            with self._lock:
+                if self._copier is None:
+                    self._copier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-bounce")
+                copier = self._copier
         i = 0
         try:
             while i < len(pieces):
@@ -629,7 +649,7 @@ class Engine:
                         pieces[i + len(batch)].bounce = buf
                         batch.append(pieces[i + len(batch)])
                 for p in batch:
-                    p.addr = p.bounce.addr
+                    p.addr, p.copier = p.bounce.addr, copier
                     if op == WRITE:
                         ctypes.memmove(p.addr, p.user, p.want)
                 i += len(batch)
@@ -720,6 +740,8 @@ class Engine:
             pass  # reported through the futures already
         self._closed = True
         self._backend.close()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         self._bounce.close()
         with self._lock:
             owned, self._owned = self._owned, []
