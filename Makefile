@@ -53,7 +53,13 @@ soak: $(STAMP)
 	TIERSTORE_SOAK=1 $(PY) -m pytest -q -o timeout=0 -rsx tests/reliability
 
 # Long measurements against references measured in the same run (fio, DeepSpeed aio, torch); see bench/README.md.
+# fio, the reference of `bench io`, is installed where this runs as root with apt; elsewhere the exact command is
+# printed and bench io runs without its fio columns (saying so).
 bench: $(STAMP)
+	-@command -v fio >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q --no-install-recommends fio >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends fio >/dev/null 2>&1; }; }; } || \
+		echo "note: fio is not installed; install it with: sudo apt-get install -y fio (Fedora: sudo dnf install -y fio)"
 	$(VENV)/bin/tierstore bench io --dir $(BENCH_DIR) --json bench/results/io.json
 	$(VENV)/bin/tierstore bench scale --dir $(BENCH_DIR) --max-params $(SCALE_MAX) --json bench/results/scale.json
 

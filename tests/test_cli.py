@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
 
 from tierstore.cli import main
 
@@ -44,6 +46,56 @@ def test_bench_io_runs_small(tmp_path):
         assert row["threads_gib_s"] > 0
     assert all(v["requests_per_s"] > 0 for v in res["small"].values())
     assert not any((tmp_path / "d").iterdir())  # the benchmark cleans up its files
+    assert res["indicative"] is True and res["fio_commands"] == {}
+    rnd = res["random"]
+    assert any(k.endswith("randread qd32") and v["iops"] > 0 for k, v in rnd.items())
+    assert any(k.endswith("randread qd1") and 0 < v["p50_us"] <= v["p99_us"] for k, v in rnd.items())
+    assert all(v["gib_s"] > 0 and v["cpu_s_per_gib"] >= 0 for v in res["mixed"].values())
+    assert len(res["paths"]) == 4 and all(v["ratio"] > 0 for v in res["paths"].values())
+    assert all(row["cpu_s_per_gib"] is not None for row in res["sequential"])
+
+
+FAKE_FIO = r"""#!{python}
+import json, sys
+args = sys.argv[1:]
+with open({log!r}, "a") as f:
+    f.write(json.dumps(args) + "\n")
+ops = [a.split("=", 1)[1] for a in args if a.startswith("--rw=")]
+size = int(next(a.split("=", 1)[1] for a in args if a.startswith("--size=")))
+pct = {{"50.000000": 80000, "99.000000": 150000}}
+def side(active):
+    return {{"io_bytes": size if active else 0, "runtime": 500 if active else 0, "iops": 5000.0 if active else 0,
+            "lat_ns": {{"percentile": pct}}, "clat_ns": {{"percentile": pct}}}}
+jobs = [{{"read": side("read" in op), "write": side("write" in op), "usr_cpu": 10.0, "sys_cpu": 5.0}} for op in ops]
+print("note: fio prints this line before its JSON")
+print(json.dumps({{"jobs": jobs}}))
+"""
+
+
+def test_bench_io_runs_fio_and_reports_its_command_lines(tmp_path, monkeypatch, capsys):
+    """fio's command lines are printed and kept in the JSON, exactly as run (a stand-in fio records them)."""
+    import sys
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    log = tmp_path / "fio.log"
+    fio = bindir / "fio"
+    fio.write_text(FAKE_FIO.format(python=sys.executable, log=str(log)))
+    fio.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    out = tmp_path / "io.json"
+    rc = main(["bench", "io", "--dir", str(tmp_path / "d"), "--size", "8M", "--quick", "--small-count", "32",
+               "--random-count", "64", "--latency-count", "20", "--no-deepspeed", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    ran = [shlex.join(["fio", *json.loads(line)]) for line in log.read_text().splitlines()]
+    assert sorted(res["fio_commands"].values()) == sorted(set(ran))
+    text = capsys.readouterr().out
+    assert all(cmd in text for cmd in ran) and "indicative" in text
+    assert any("--rw=randread" in c and "--iodepth=1" in c for c in ran)
+    row = res["sequential"][0]
+    assert row["fio_best_gib_s"] > 0 and row["fio_cpu_s_per_gib"] > 0 and row["fio_command"] in ran
+    assert res["random"]["fio/io_uring randread qd1"]["p50_us"] == 80.0
 
 
 def test_demo_trains_on_nvme_and_reports_what_ran(tmp_path):

@@ -1,4 +1,4 @@
-"""The `tierstore` command: `tierstore info`, `tierstore demo` and `tierstore bench <name>`.
+"""The `tierstore` command: `tierstore info`, `tierstore demo`, `tierstore tune DIR` and `tierstore bench <name>`.
 
 Each benchmark is a module ``tierstore.bench.<name>`` with ``add_arguments(parser)`` and ``run(args) -> int``;
 it is imported only when asked for, so one benchmark's optional references never slow another.
@@ -12,7 +12,8 @@ import sys
 
 BENCHMARKS = {
     "quant": "block quantizers (int8/int4/dynamic 8-bit) and the 8-bit AdamW step vs bitsandbytes and torch",
-    "io": "sequential and small-request I/O vs fio and DeepSpeed aio",
+    "io": "sequential, random 4 KiB (IOPS, p50/p99 latency), mixed and small-request I/O, CPU s/GiB, the memory "
+          "paths (plain tensor, put, get) vs fio and DeepSpeed aio",
     "store": "Store put+flush/get of many small and a few large tensors vs the raw engine and torch.save/load",
     "partition": "layout of GPT-2/7B shapes: I/O requests per rank, their size, padding vs one file per parameter",
     "optim": "Zero3Optimizer step on host / NVMe / NVMe+8-bit vs fused torch AdamW, the raw disk and the compute",
@@ -38,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                                        "and a memory budget smaller than its states (--big: states > RAM)")
     _add_common(demo)
     importlib.import_module("tierstore.demo").add_arguments(demo)
+    tune = sub.add_parser("tune", help="sweep the I/O engine's knobs on a disk in minutes and write the "
+                                       "configuration it recommends (Engine.from_tuning / Store(io_tuning=))")
+    _add_common(tune)
+    importlib.import_module("tierstore.bench.tune").add_arguments(tune)
     bench = sub.add_parser("bench", help="benchmarks that print ratios against references run alongside")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, help_ in BENCHMARKS.items():
@@ -59,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_info(args)
     if args.command == "demo":
         return importlib.import_module("tierstore.demo").run(args)
+    if args.command == "tune":
+        return importlib.import_module("tierstore.bench.tune").run(args)
     return _load(args.bench).run(args)
 
 

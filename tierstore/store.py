@@ -49,7 +49,7 @@ import torch
 
 from . import zarr_io
 from .errors import MisuseError, TierstoreIOError, TierstoreValueError, advice, io_error
-from .io import BufferPool, Engine
+from .io import BufferPool, Engine, Tuning
 from .io.files import fsync_dir
 from .manifest import MANIFEST, STORED_DTYPES, VERSION, parse_body, read_manifest, tensor_entry, write_manifest
 from .residency import Placement, Residency
@@ -70,14 +70,18 @@ class Store:
     paths: directory or directories (one per NVMe drive) the extent files are striped over; created if
     missing. Budgets are bytes (None = no limit): device_budget (accelerator memory; the CPU stands in when
     there is no accelerator), host_budget (page-locked host copies), pinned_budget (the page-locked staging
-    pool all NVMe I/O streams through), nvme_budget (bytes of extents).
+    pool all NVMe I/O streams through), nvme_budget (bytes of extents). io_tuning: the path of what
+    `tierstore tune DIR` recommended (or a tierstore.io.Tuning): it fills in backend, queue_depth,
+    buffer_bytes, stripe_unit (a new store only) and workers where they are left at their defaults, and the
+    engine's block size (see [Note: a tuning file only fills in defaults] in io/tuning.py).
     """
 
     def __init__(self, paths: str | os.PathLike | Iterable[str | os.PathLike], *, host_budget: int | None = 256 << 20,
                  device_budget: int | None = 0, pinned_budget: int = 64 << 20, nvme_budget: int | None = None,
                  device: torch.device | str | None = None, backend: str = "auto", buffer_bytes: int = 4 << 20,
                  queue_depth: int = 32, extent_file_bytes: int = 16 << 30, stripe_unit: int = 1 << 20,
-                 workers: int = 2, lock_memory: bool = True, _must_exist: bool = False, _read_only: bool = False,
+                 workers: int = 2, lock_memory: bool = True, io_tuning: str | os.PathLike | Tuning | None = None,
+                 _must_exist: bool = False, _read_only: bool = False,
                  _fresh: bool = False):
         self._closed = True  # until fully open
         self._read_only = _read_only
@@ -89,6 +93,15 @@ class Store:
             raise TierstoreValueError("paths is empty: give at least one directory for the nvme tier")
         if len({os.path.realpath(p) for p in self.paths}) != len(self.paths):
             raise TierstoreValueError(f"paths={self.paths} names a directory twice")
+        block_size = 1 << 20  # bytes: the engine's request block
+        if io_tuning is not None:
+            tuning = Tuning.coerce(io_tuning)
+            fresh = not os.path.exists(os.path.join(self.paths[0], MANIFEST))
+            knobs = tuning.fill(Store.__init__, {"backend": backend, "queue_depth": queue_depth, "workers": workers,
+                                                 "buffer_bytes": buffer_bytes, "stripe_unit": stripe_unit},
+                                layout=fresh)
+            backend, queue_depth, workers = knobs["backend"], knobs["queue_depth"], knobs["workers"]
+            buffer_bytes, stripe_unit, block_size = knobs["buffer_bytes"], knobs["stripe_unit"], tuning.block_size
         _check_sizes(host_budget=host_budget, device_budget=device_budget, nvme_budget=nvme_budget,
                      pinned_budget=pinned_budget, buffer_bytes=buffer_bytes, queue_depth=queue_depth,
                      extent_file_bytes=extent_file_bytes, stripe_unit=stripe_unit, workers=workers)
@@ -106,7 +119,7 @@ class Store:
         try:
             self._flush_lock = threading.Lock()
             self._pool = BufferPool(pinned_budget, buffer_bytes, lock=lock_memory)
-            self._engine = Engine(backend, queue_depth, pool=self._pool)
+            self._engine = Engine(backend, queue_depth, block_size, pool=self._pool)
             self._device = DeviceTier(device_budget, device)
             self._host = HostTier(host_budget, lock=lock_memory)
             self._nvme = NvmeTier(self.paths, self._engine, self._pool, budget_bytes=nvme_budget,

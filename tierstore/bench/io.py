@@ -5,15 +5,26 @@ block size x queue depth, by each backend of ours and by each reference. Every w
 out beforehand (fio lays out its file before timing, so everyone gets the same state). Small requests:
 20,000 requests of 4-256 KiB (log-uniform, 4 KiB multiples): ours packed at aligned offsets of one file (the
 store's layout), DeepSpeed's as its swapper lays them out (one file per tensor).
+
+For I/O engineers, the same run also measures, ours and fio's alternated: the latency of random 4 KiB reads
+at queue depth 1 (p50, p99), random 4 KiB IOPS at queue depth 32 (read and write), CPU seconds per GiB moved
+(the process's user+system time for ours, fio's own usr+sys figure for fio), and a read and a write of two
+files at once (mixed). Every case reports the spread of its rounds ((max - min) / median); every fio command
+line is printed and kept in the JSON. Then the memory paths a user meets: the engine with an ordinary torch
+tensor vs a pool buffer, Store put+flush vs the engine's write, get() into fresh memory vs get(out=).
+A one-round run (--quick) labels its ratios as indicative.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import resource
+import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 
 from ._common import Progress, fmt_bytes, gib_s, interleave, print_table, ratio, size_arg, write_json
@@ -28,7 +39,10 @@ def add_arguments(p) -> None:
     p.add_argument("--small-count", type=int, default=20_000, help="requests in the small-request workload")
     p.add_argument("--no-fio", action="store_true", help="skip the fio reference")
     p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed aio reference")
-    p.add_argument("--quick", action="store_true", help="one round, 1 MiB blocks at qd 32, 2,000 small requests")
+    p.add_argument("--random-count", type=int, default=16384, help="random 4 KiB requests per IOPS case")
+    p.add_argument("--latency-count", type=int, default=2000, help="random 4 KiB reads at qd 1 for the latencies")
+    p.add_argument("--quick", action="store_true", help="one round, 1 MiB blocks at qd 32, fewer small and random "
+                                                        "requests; its ratios are indicative")
 
 
 # ---- the cases -----------------------------------------------------------------------------------
@@ -60,26 +74,45 @@ class Ours:
         self.eng.close()
 
 
+def fio_cmd(path: str, op: str, engine: str, bs: int, qd: int, size: int, *extra: str) -> list[str]:
+    """The fio command line of one job (op: read, write, randread, randwrite), JSON output."""
+    return ["fio", "--name=tierstore-ref", f"--filename={path}", f"--rw={op}", f"--bs={bs}", f"--iodepth={qd}",
+            f"--ioengine={engine}", "--direct=1", f"--size={size}", "--output-format=json", "--thread",
+            "--group_reporting", *extra]
+
+
+def fio_job(cmd: list[str]) -> dict:
+    """Run one fio job; its JSON report ("jobs"[0])."""
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out[out.index("{"):])["jobs"][0]
+
+
+def fio_cpu_seconds(job: dict) -> float:
+    """fio's own CPU figure: usr+sys percent of the job's runtime, in seconds."""
+    runtime = max(job[d]["runtime"] for d in ("read", "write")) / 1e3  # s
+    return (job["usr_cpu"] + job["sys_cpu"]) / 100 * runtime
+
+
 def fio_run(path: str, op: str, engine: str, bs: int, qd: int, size: int) -> float:
     """fio's own bandwidth figure (bytes/s) for one job; its ramp-up and layout are not in it."""
-    cmd = ["fio", "--name=tierstore-ref", f"--filename={path}", f"--rw={op}", f"--bs={bs}",
-           f"--iodepth={qd}", f"--ioengine={engine}", "--direct=1", f"--size={size}", "--output-format=json",
-           "--thread", "--group_reporting"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0][op]
+    job = fio_job(fio_cmd(path, op, engine, bs, qd, size))[op]
     return job["io_bytes"] / (job["runtime"] / 1e3) if job["runtime"] else float("nan")
 
 
 def fio_wall(jobs: list[tuple[str, str]], engine: str, bs: int, qd: int, size: int) -> float:
     """Seconds fio's slowest job took (its own runtime figure), the jobs [(path, "read" | "write")] running at
     the same time, each moving `size` bytes."""
+    out = subprocess.run(fio_wall_cmd(jobs, engine, bs, qd, size), capture_output=True, text=True, check=True).stdout
+    res = json.loads(out[out.index("{"):])["jobs"]
+    return max(j[op]["runtime"] for j, (_p, op) in zip(res, jobs)) / 1e3
+
+
+def fio_wall_cmd(jobs: list[tuple[str, str]], engine: str, bs: int, qd: int, size: int) -> list[str]:
     cmd = ["fio", "--output-format=json", "--thread", f"--ioengine={engine}", "--direct=1", f"--bs={bs}",
            f"--iodepth={qd}", f"--size={size}"]
     for i, (path, op) in enumerate(jobs):
         cmd += [f"--name=job{i}", f"--filename={path}", f"--rw={op}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    res = json.loads(out[out.index("{"):])["jobs"]
-    return max(j[op]["runtime"] for j, (_p, op) in zip(res, jobs)) / 1e3
+    return cmd
 
 
 def deepspeed_aio():
@@ -133,7 +166,31 @@ def small_sizes(count: int, seed: int = 0) -> list[int]:
 
 # ---- the run -------------------------------------------------------------------------------------
 
+class CpuClock:
+    """Wraps cases so each also records the CPU seconds (user + system, every thread of this process) it used."""
+
+    def __init__(self):
+        self.seconds: dict[str, list[float]] = {}
+
+    def wrap(self, name: str, fn: Callable[[], float | None]) -> Callable[[], float]:
+        def run() -> float:
+            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            r = fn()
+            dt, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+            self.seconds.setdefault(name, []).append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
+            return dt if r is None else float(r)
+        return run
+
+
+def spread(samples) -> str:
+    """(max - min) / median of a case's rounds, '-' with one round."""
+    t = samples.seconds
+    return "-" if len(t) < 2 else f"{(max(t) - min(t)) / samples.median:.0%}"
+
+
 def run(args) -> int:
+    import statistics
+
     import torch
 
     from ..io import BufferPool, io_uring_status
@@ -141,8 +198,11 @@ def run(args) -> int:
     bss = [size_arg(x) for x in args.block_sizes.split(",")]
     qds = [int(x) for x in args.queue_depths.split(",")]
     rounds, small_count = args.rounds, args.small_count
+    nrand, nlat = args.random_count, args.latency_count
     if args.quick:
         bss, qds, rounds, small_count = [1 << 20], [32], 1, min(small_count, 2000)
+        nrand, nlat = min(nrand, 4096), min(nlat, 500)
+    indicative = " (indicative: 1 round)" if rounds < 2 else ""
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="io-", dir=args.dir)
     size = args.size // (4 << 20) * (4 << 20) or (4 << 20)
@@ -152,31 +212,54 @@ def run(args) -> int:
         notes.append(f"io_uring unavailable: {io_uring_status()[1]}")
     fio = None if args.no_fio else shutil.which("fio")
     if not args.no_fio and fio is None:
-        notes.append("fio not on PATH: no fio column (apt-get install fio)")
+        notes.append("fio not on PATH: no fio column (Debian/Ubuntu: apt-get install fio; `make bench` does it "
+                     "as root)")
     ds_mod, why = (None, "skipped") if args.no_deepspeed else deepspeed_aio()
     if ds_mod is None and not args.no_deepspeed:
         notes.append(why)
     fio_engines = ["io_uring", "libaio"]
+    fio_cmds: dict[str, str] = {}  # case -> the exact fio command line it ran
 
     chunk = min(size, 64 << 20)  # bytes: one pool buffer, reused for every request of the sweep
-    pool = BufferPool(chunk, chunk)
-    buf = pool.lease()
+    pool = BufferPool(2 * chunk, chunk)
+    buf, buf2 = pool.lease(), pool.lease()
     buf.tensor().fill_(0xA5)
+    buf2.tensor().fill_(0x5A)
     seq_path = os.path.join(work, "seq.bin")
+    mix_path = os.path.join(work, "mix.bin")
     layout(seq_path, size)
-    results: dict = {"size": size, "rounds": rounds, "notes": notes, "sequential": [], "small": {}}
+    layout(mix_path, size)
+    results: dict = {"size": size, "rounds": rounds, "indicative": bool(indicative), "notes": notes,
+                     "sequential": [], "small": {}, "random": {}, "mixed": {}, "paths": {}, "fio_commands": fio_cmds,
+                     "load_average": os.getloadavg()}
     ds_owner = ds_mod.aio_handle(1 << 20, 8, False, True, 1) if ds_mod is not None else None
     ds_locked = ds_owner.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8)) if ds_owner else None
+    cpu = CpuClock()
+    fio_cpu: dict[str, list[float]] = {}
+    fio_extra: dict[str, list[dict]] = {}
     try:
         cases: dict = {}
         closers = [lambda: ds_owner.free_cpu_locked_tensor(ds_locked)] if ds_owner else []
+
+        def fio_case(key, cmd):
+            fio_cmds[_label(key)] = shlex.join(cmd)
+
+            def one():
+                job = fio_job(cmd)
+                fio_cpu.setdefault(str(key), []).append(fio_cpu_seconds(job))
+                fio_extra.setdefault(str(key), []).append(job)
+                d = job["read"] if job["read"]["io_bytes"] else job["write"]
+                return d["runtime"] / 1e3
+            return one
+
         for bs in bss:
             for qd in qds:
                 for be in backends:
                     o = Ours(be, qd, bs, seq_path, buf, size)
                     closers.append(o.close)
-                    cases[("write", bs, qd, f"tierstore/{be}")] = o.write
-                    cases[("read", bs, qd, f"tierstore/{be}")] = o.read
+                    for op in ("write", "read"):
+                        key = (op, bs, qd, f"tierstore/{be}")
+                        cases[key] = cpu.wrap(str(key), getattr(o, op))
                 if ds_mod is not None:
                     d = DeepSpeed(ds_mod, qd, bs, seq_path, ds_locked)
                     cases[("write", bs, qd, "deepspeed")] = d.write
@@ -184,17 +267,40 @@ def run(args) -> int:
                 if fio:
                     for eng_name in fio_engines:
                         for op in ("write", "read"):
-                            cases[(op, bs, qd, f"fio/{eng_name}")] = (
-                                lambda op=op, e=eng_name, bs=bs, qd=qd: size / fio_run(seq_path, op, e, bs, qd, size))
+                            key = (op, bs, qd, f"fio/{eng_name}")
+                            cases[key] = fio_case(key, fio_cmd(seq_path, op, eng_name, bs, qd, size))
+        latencies: dict[str, list[float]] = {}
+        rand_cases = random_workload(seq_path, size, buf, backends, nrand, nlat, closers, latencies)
+        if fio:
+            fe = fio_engines[0]
+            for op in ("randread", "randwrite"):
+                rand_cases[f"fio/{fe} {op} qd32"] = fio_case(
+                    f"fio/{fe} {op} qd32", fio_cmd(seq_path, op, fe, 4096, 32, size, f"--number_ios={nrand}"))
+            rand_cases[f"fio/{fe} randread qd1"] = fio_case(
+                f"fio/{fe} randread qd1", fio_cmd(seq_path, "randread", fe, 4096, 1, size, f"--number_ios={nlat}",
+                                                  "--lat_percentiles=1"))
+        mix_cases = mixed_workload(seq_path, mix_path, size, buf, buf2, backends, closers, cpu)
+        if fio:
+            mix_jobs = [(seq_path, "read"), (mix_path, "write")]
+            fio_cmds["fio/io_uring read+write"] = shlex.join(fio_wall_cmd(mix_jobs, "io_uring", 1 << 20, 32, size))
+            mix_cases["fio/io_uring read+write"] = lambda: fio_wall(mix_jobs, "io_uring", 1 << 20, 32, size)
+        pcases = paths_workload(work, min(size, 1 << 30), closers)
+        pbytes = pcases.nbytes
+        path_cases: dict[str, Callable[[], float | None]] = {k: cpu.wrap(k, fn) for k, fn in pcases.items()}
         small_cases, small_info = small_workload(work, small_count, backends, ds_mod)
         closers.extend(small_info.pop("closers"))
-        with Progress(rounds * (len(cases) + len(small_cases)), "bench io") as prog:
-            seq = interleave(cases, rounds, prog)
+        total = rounds * (len(cases) + len(small_cases) + len(rand_cases) + len(mix_cases) + len(path_cases))
+        with Progress(total, "bench io") as prog:
+            seq: dict = interleave(cases, rounds, prog)
+            rnd = interleave(rand_cases, rounds, prog)
+            mix = interleave(mix_cases, rounds, prog)
+            paths = interleave(path_cases, rounds, prog)
             small = interleave(small_cases, rounds, prog)
         for c in closers:
             c()
     finally:
         buf.release()
+        buf2.release()
         pool.close()
         shutil.rmtree(work, ignore_errors=True)
 
@@ -202,6 +308,10 @@ def run(args) -> int:
     def thr(key):  # GiB/s, median over rounds
         s = seq.get(key)
         return gib_s(size, s.median) if s else None
+
+    def cpu_per_gib(key: object) -> float | None:  # CPU seconds per GiB moved, median over rounds
+        got = cpu.seconds.get(str(key)) or fio_cpu.get(str(key))
+        return statistics.median(got) / (size / (1 << 30)) if got else None
 
     rows = []
     best: dict[tuple[str, str], tuple[float, int, int]] = {}  # (op, who) -> (GiB/s, block, queue depth)
@@ -213,18 +323,76 @@ def run(args) -> int:
                 fios = {e: thr((op, bs, qd, f"fio/{e}")) for e in fio_engines} if fio else {}
                 fbest_name = max(fios, key=lambda e: fios[e]) if fios else None
                 fb = fios.get(fbest_name) if fbest_name else None
+                mine_be = "io_uring" if u is not None else "threads"
                 mine = u if u is not None else t
                 for name, v in (("tierstore", mine), ("fio", fb), ("deepspeed", d)):
                     if v is not None and v > best.get((op, name), (0,))[0]:
                         best[(op, name)] = (v, bs, qd)
+                mkey = (op, bs, qd, f"tierstore/{mine_be}")
+                fkey = (op, bs, qd, f"fio/{fbest_name}") if fbest_name else None
+                cm, cf = cpu_per_gib(mkey), cpu_per_gib(fkey) if fkey else None
                 rows.append((op, fmt_bytes(bs), qd, _g(u), _g(t), _g(fb) + (f" ({fbest_name})" if fb else ""),
-                             _g(d), ratio(mine, fb), ratio(mine, d), ratio(t, u)))
-                results["sequential"].append({"op": op, "block": bs, "qd": qd, "io_uring_gib_s": u, "threads_gib_s": t,
-                                              "fio_best_gib_s": fb, "fio_engine": fbest_name, "fio": fios,
-                                              "deepspeed_gib_s": d})
+                             _g(d), ratio(mine, fb), ratio(mine, d), ratio(t, u), spread(seq[mkey]),
+                             _g(cm), _g(cf)))
+                results["sequential"].append({
+                    "op": op, "block": bs, "qd": qd, "io_uring_gib_s": u, "threads_gib_s": t, "fio_best_gib_s": fb,
+                    "fio_engine": fbest_name, "fio": fios, "deepspeed_gib_s": d, "cpu_s_per_gib": cm,
+                    "fio_cpu_s_per_gib": cf, "spread": spread(seq[mkey]),
+                    "fio_command": fio_cmds.get(_label(fkey)) if fkey else None})
     print_table(f"sequential, {fmt_bytes(size)} file, O_DIRECT, median of {rounds} rounds (GiB/s)",
-                ["op", "block", "qd", "io_uring", "threads", "fio best", "DeepSpeed", "ours/fio", "ours/DS",
-                 "threads/uring"], rows, caption="ours = the io_uring backend where available")
+                ["op", "block", "qd", "io_uring", "threads", "fio best", "DeepSpeed", "ours/fio" + indicative,
+                 "ours/DS", "threads/uring", "spread", "CPU s/GiB", "fio CPU s/GiB"], rows,
+                caption="ours = the io_uring backend where available; spread = (max-min)/median of ours' rounds")
+
+    for name, smp in rnd.items():
+        info = rand_info(name, smp, fio_extra.get(name), latencies.get(name), nrand)
+        results["random"][name] = {**info, "seconds": smp.seconds, "fio_command": fio_cmds.get(name)}
+    fio_of = {k.split(" ", 1)[1]: k for k in rnd if k.startswith("fio/")}  # "randread qd32" -> fio's case
+    rrows = []
+    for name, smp in rnd.items():
+        mine = results["random"][name]
+        theirs = results["random"].get(fio_of.get(name.split(" ", 1)[1], ""), {}) if not name.startswith("fio/") \
+            else {}
+        vs = (mine["iops"] / theirs["iops"] if mine.get("iops") and theirs.get("iops") else
+              theirs["p50_us"] / mine["p50_us"] if mine.get("p50_us") and theirs.get("p50_us") else None)
+        mine["vs_fio"] = vs
+        rrows.append((name, f"{mine['iops']:,.0f}" if mine.get("iops") else "-", _us(mine.get("p50_us")),
+                      _us(mine.get("p99_us")), "-" if vs is None else f"{vs:.2f}x", spread(smp)))
+    print_table(f"random 4 KiB, {fmt_bytes(size)} file: IOPS at qd 32, latency at qd 1 (median of {rounds} rounds)",
+                ["case", "IOPS", "p50 latency", "p99 latency", "vs fio" + indicative, "spread"], rrows,
+                caption="latency, ours: from the call to the future's result (Python included); fio: its lat_ns "
+                        "(submission to completion). vs fio: IOPS ratio, or fio's p50 / ours")
+
+    mrows = []
+    mref = mix.get("fio/io_uring read+write")
+    for name, smp in mix.items():
+        g = gib_s(2 * size, smp.median)
+        mc = cpu.seconds.get(name)
+        results["mixed"][name] = {"gib_s": g, "seconds": smp.seconds, "fio_command": fio_cmds.get(name),
+                                  "cpu_s_per_gib": statistics.median(mc) / (2 * size / (1 << 30)) if mc else None}
+        mrows.append((name, _g(g), ratio(1 / smp.median, 1 / mref.median) if mref else "-", spread(smp),
+                      _g(results["mixed"][name]["cpu_s_per_gib"])))
+    print_table(f"mixed: read one {fmt_bytes(size)} file while writing another, 1 MiB at qd 32 (GiB/s, both)",
+                ["case", "GiB/s", "vs fio" + indicative, "spread", "CPU s/GiB"], mrows)
+
+    prow = []
+
+    def pcpu(case: str) -> float | None:  # CPU seconds per GiB of a memory-path case, median over rounds
+        got = cpu.seconds.get(case)
+        return statistics.median(got) / (pbytes / (1 << 30)) if got else None
+    for case, pref in PATH_PAIRS:
+        a, b = paths[case], paths[pref]
+        pr = b.median / a.median
+        results["paths"][case] = {"gib_s": gib_s(pbytes, a.median), "reference": pref, "ratio": pr,
+                                  "seconds": a.seconds, "reference_seconds": b.seconds,
+                                  "cpu_s_per_gib": pcpu(case), "reference_cpu_s_per_gib": pcpu(pref)}
+        prow.append((case, _g(gib_s(pbytes, a.median)), pref, _g(gib_s(pbytes, b.median)), f"{pr:.2f}x",
+                     spread(a), spread(b), _g(pcpu(case)), _g(pcpu(pref))))
+    print_table(f"memory paths, {fmt_bytes(pbytes)} (GiB/s, median of {rounds} rounds)",
+                ["case", "GiB/s", "reference", "GiB/s", "case/reference" + indicative, "spread", "ref spread",
+                 "CPU s/GiB", "ref CPU s/GiB"], prow,
+                caption="targets: plain tensor >= 0.9x pool buffer; put+flush >= 0.9x engine write; "
+                        "get() >= 0.7x get(out=)")
 
     srows = []
     ref = small.get("deepspeed (file per tensor)")
@@ -233,10 +401,11 @@ def run(args) -> int:
         rate = small_info["count"] / s.median
         srows.append((name, f"{rate:,.0f}", _g(gib_s(small_info["bytes"], s.median)),
                       ratio(1 / s.median, 1 / ref.median) if ref else "-",
-                      ratio(1 / s.median, 1 / ref_packed.median) if ref_packed else "-"))
+                      ratio(1 / s.median, 1 / ref_packed.median) if ref_packed else "-", spread(s)))
         results["small"][name] = {"requests_per_s": rate, "seconds": s.seconds}
     print_table(f"small requests: {small_info['count']:,} of 4-256 KiB ({fmt_bytes(small_info['bytes'])}), "
-                "written then read", ["case", "requests/s", "GiB/s", "vs DS file/tensor", "vs DS packed"], srows)
+                "written then read", ["case", "requests/s", "GiB/s", "vs DS file/tensor", "vs DS packed", "spread"],
+                srows)
 
     summary = []
     for op in ("write", "read"):
@@ -245,13 +414,212 @@ def run(args) -> int:
             r = best.get((op, ref_name))
             if ours_best and r:
                 summary.append(f"{op}: best tierstore {ours_best[0]:.2f} GiB/s vs best {ref_name} {r[0]:.2f} GiB/s "
-                               f"-> {ours_best[0] / r[0]:.2f}x")
+                               f"-> {ours_best[0] / r[0]:.2f}x{indicative}")
+    if fio_cmds:
+        print("fio command lines:")
+        for case_name, line in fio_cmds.items():
+            print(f"  {case_name}: {line}")
+    la = results["load_average"]
+    print(f"load average at start: {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}")
     for line in summary + notes:
         print(line)
     results["summary"] = summary
     write_json(args.json, results)
     print(_plot(results, args.json))
     return 0
+
+
+def rand_info(name: str, smp, jobs: list[dict] | None, lats: list[float] | None, nrand: int) -> dict:
+    """IOPS (qd 32 cases) or p50/p99 latency in µs (qd 1 cases) of a random-4 KiB case, median over rounds."""
+    import statistics
+
+    if jobs:  # fio: its own figures
+        out: dict = {}
+        if name.endswith("qd1"):
+            lat = [j["read"].get("lat_ns", {}).get("percentile") or j["read"]["clat_ns"]["percentile"] for j in jobs]
+            out["p50_us"] = statistics.median(p["50.000000"] for p in lat) / 1e3
+            out["p99_us"] = statistics.median(p["99.000000"] for p in lat) / 1e3
+        else:
+            d = "read" if "randread" in name else "write"
+            out["iops"] = statistics.median(j[d]["iops"] for j in jobs)
+        return out
+    if name.endswith("qd1"):
+        lats = sorted(lats or [])
+        return {"p50_us": lats[len(lats) // 2], "p99_us": lats[min(len(lats) - 1, int(len(lats) * 0.99))]} \
+            if lats else {}
+    return {"iops": nrand / smp.median}
+
+
+def random_workload(path: str, size: int, buf, backends: list[str], nrand: int, nlat: int, closers: list,
+                    latencies: dict[str, list[float]]) -> dict:
+    """Random 4 KiB cases on `path`: read_many / write_many of `nrand` requests at qd 32 (IOPS) and `nlat` reads
+    one at a time (latency), into/from 4 KiB slots of the pool buffer `buf`."""
+    import numpy as np
+
+    from ..io import Engine
+
+    rng = np.random.default_rng(3)
+    pages = size // 4096
+    slots = buf.nbytes // 4096
+    offs = (rng.integers(0, pages, nrand) * 4096).tolist()
+    lat_offs = (rng.integers(0, pages, nlat) * 4096).tolist()
+    t = buf.tensor()
+    cases: dict = {}
+    for be in backends[:1]:  # the backend the store uses
+        eng = Engine(backend=be, queue_depth=32)
+        eng.register_pool(buf.pool)
+        f = eng.open(path, "r+")
+        closers.append(eng.close)
+        reqs = [(t[(i % slots) * 4096:(i % slots + 1) * 4096], o) for i, o in enumerate(offs)]
+
+        def rread(eng=eng, f=f, reqs=reqs) -> None:
+            eng.read_many(f, reqs).result()
+
+        def rwrite(eng=eng, f=f, reqs=reqs) -> None:
+            eng.write_many(f, reqs).result()
+
+        name = f"tierstore/{be} randread qd1"
+        lat = latencies.setdefault(name, [])  # µs, every round's
+
+        def latency(eng=eng, f=f, one=t[:4096], lat=lat) -> float:
+            t0 = time.perf_counter()
+            for o in lat_offs:
+                s0 = time.perf_counter()
+                eng.read(f, one, o).result()
+                lat.append((time.perf_counter() - s0) * 1e6)
+            return time.perf_counter() - t0
+        cases[f"tierstore/{be} randread qd32"] = rread
+        cases[f"tierstore/{be} randwrite qd32"] = rwrite
+        cases[name] = latency
+    return cases
+
+
+def mixed_workload(rpath: str, wpath: str, size: int, rbuf, wbuf, backends: list[str], closers: list,
+                   cpu: CpuClock) -> dict:
+    """Reading `rpath` and writing `wpath` at once, 1 MiB requests at qd 32, from two pool buffers."""
+    from ..io import Engine
+
+    cases: dict = {}
+    for be in backends[:1]:
+        eng = Engine(backend=be, queue_depth=32)
+        eng.register_pool(rbuf.pool)
+        fr, fw = eng.open(rpath, "r+"), eng.open(wpath, "r+")
+        closers.append(eng.close)
+
+        def both(eng=eng, fr=fr, fw=fw):
+            for off in range(0, size, rbuf.nbytes):
+                eng.read(fr, rbuf, off)
+                eng.write(fw, wbuf, off)
+            eng.wait_all()
+        name = f"tierstore/{be} read+write"
+        cases[name] = cpu.wrap(name, both)
+    return cases
+
+
+PATH_PAIRS = [("engine write, plain torch tensor", "engine write, pool buffer"),
+              ("engine read, plain torch tensor", "engine read, pool buffer"),
+              ("Store put+flush, aligned tensor", "engine write+fsync, same tensor"),
+              ("Store get(), fresh result", "Store get(out=)")]
+
+
+class _PathCases(dict):
+    nbytes = 0
+
+
+def paths_workload(work: str, nbytes: int, closers: list) -> _PathCases:
+    """The memory paths of PATH_PAIRS over `nbytes`: each case and its reference, alternated."""
+    import torch
+
+    from ..io import BufferPool, Engine
+    from ..store import Store
+    from ..tiers.host import aligned_empty
+    from ._common import drop_page_cache
+
+    pool = BufferPool(nbytes, nbytes, lock=False)
+    pbuf = pool.lease()
+    pbuf.tensor().fill_(7)
+    plain = torch.full((nbytes + 64,), 7, dtype=torch.uint8)[64:]  # an ordinary allocation, never 4 KiB aligned
+    if plain.data_ptr() % 4096 == 0:
+        plain = torch.full((nbytes + 128,), 7, dtype=torch.uint8)[128:]
+    aligned = aligned_empty(nbytes, lock=False)
+    aligned.fill_(9)
+    out = torch.zeros(nbytes, dtype=torch.uint8)
+    eng = Engine(pool=pool)
+    path = os.path.join(work, "paths.bin")
+    layout(path, nbytes)
+    f = eng.open(path, "r+")
+    sdir = os.path.join(work, "paths-store")
+
+    def ewrite(src):
+        def one():
+            t0 = time.perf_counter()
+            eng.write(f, src, 0)
+            eng.wait_all()
+            eng.fsync(f)
+            return time.perf_counter() - t0
+        return one
+
+    def eread(dst):
+        def one():
+            drop_page_cache([path])
+            t0 = time.perf_counter()
+            eng.read(f, dst, 0)
+            eng.wait_all()
+            return time.perf_counter() - t0
+        return one
+
+    def extent_files():
+        return [os.path.join(sdir, n) for n in os.listdir(sdir) if n.startswith("extents-")]
+
+    # A trainer puts the same names every step: each put goes to free space of the store's extent file that
+    # earlier versions used (copy-on-write), as the engine's reference overwrites its laid-out file.
+    with Store(sdir, host_budget=0) as s:
+        for _ in range(3):
+            s.put("x", aligned, "nvme")
+            s.flush()
+
+    def put():
+        with Store.open(sdir, host_budget=0) as s:
+            t0 = time.perf_counter()
+            s.put("x", aligned, "nvme")
+            s.flush()
+            return time.perf_counter() - t0
+
+    def get(into):
+        def one():
+            with Store.open(sdir, host_budget=0) as s:
+                drop_page_cache(extent_files())
+                t0 = time.perf_counter()
+                got = s.get("x", out=into)
+                dt = time.perf_counter() - t0
+            del got
+            return dt
+        return one
+
+    cases = _PathCases({"engine write, pool buffer": ewrite(pbuf), "engine write, plain torch tensor": ewrite(plain),
+                        "engine read, pool buffer": eread(pbuf), "engine read, plain torch tensor": eread(plain),
+                        "engine write+fsync, same tensor": ewrite(aligned), "Store put+flush, aligned tensor": put,
+                        "Store get(out=)": get(out), "Store get(), fresh result": get(None)})
+    cases.nbytes = nbytes
+
+    def close():
+        eng.close()
+        pbuf.release()
+        pool.close()
+    closers.append(close)
+    return cases
+
+
+def _label(key) -> str:
+    """A case's name: ("write", 1 MiB, 32, "fio/io_uring") -> "write 1.0 MiB qd32 fio/io_uring"."""
+    if isinstance(key, tuple):
+        op, bs, qd, who = key
+        return f"{op} {fmt_bytes(bs)} qd{qd} {who}"
+    return str(key)
+
+
+def _us(v) -> str:
+    return "-" if v is None else f"{v:.0f} µs"
 
 
 def _plot(results: dict, json_path: str | None) -> str:

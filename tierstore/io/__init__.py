@@ -2,6 +2,7 @@
 from .engine import Backend, Engine, FaultInjector, IOFuture, Piece, io_uring_status
 from .files import ALIGN, File, StripedFile
 from .pool import Buffer, BufferPool, memlock_limit
+from .tuning import Tuning
 
 __all__ = ["ALIGN", "Backend", "Buffer", "BufferPool", "Engine", "FaultInjector", "File", "IOFuture", "Piece",
-           "StripedFile", "io_uring_status", "memlock_limit"]
+           "StripedFile", "Tuning", "io_uring_status", "memlock_limit"]

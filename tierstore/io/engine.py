@@ -7,11 +7,27 @@
 
 [Note: requests and pieces]
 A request (one read/write call) becomes pieces: one per stripe a striped file maps it to, each split in
-`block_size` blocks, and each block split into an O_DIRECT part (buffer address, offset and length 4 KiB
-aligned) and a buffered part for whatever is not aligned. All pieces are in flight together, up to
-`queue_depth` at once; the request's future resolves when the *last* piece has finished, so the caller's
-buffer is never reused while the kernel may still touch it, and carries the first error (naming the
-file, offset and length of the failed piece).
+`block_size` blocks. On a file opened with O_DIRECT every block goes through the O_DIRECT descriptor:
+straight from/into the caller's memory where its address, file offset and length are 4 KiB aligned, else
+through the engine's bounce buffers (see [Note: bounce buffers]). All pieces are in flight together, up
+to `queue_depth` at once; the request's future resolves when the *last* piece has finished, so the
+caller's buffer is never reused while the kernel may still touch it, and carries the first error (naming
+the file, offset and length of the failed piece -- the caller's range, not the bounce buffer's).
+
+[Note: bounce buffers]
+A block whose buffer address (or file offset, or length) is not 4 KiB aligned -- an ordinary torch tensor
+is 64-byte aligned -- cannot go to the O_DIRECT descriptor as it is, and the buffered descriptor is many
+times slower on a large transfer (the page cache copies it and writes it back later). So such a block is
+copied through one of the engine's own bounce buffers (a small, huge-page advised pool, registered with
+io_uring with the caller's pool): a write copies block i+1 in while block i is in flight; a read lands in
+a bounce buffer covering the block's 4 KiB-aligned range and is copied out when it completes -- with
+io_uring on two copy threads, not on the one thread that completes every request of the engine. The first
+such request of an engine is logged once at INFO, naming why. Only two things still use the buffered
+descriptor of an O_DIRECT file: the partial 4 KiB blocks at the ends of a *write* whose file range is not
+4 KiB aligned -- an O_DIRECT write of them would be a read-modify-write of a block another request may be
+writing at the same time, which the page cache serialises and O_DIRECT does not; `stats()` counts them.
+A filesystem that refuses O_DIRECT (ramfs, some network filesystems) gets buffered I/O for everything,
+and files.py says so once per filesystem.
 """
 from __future__ import annotations
 
@@ -32,7 +48,8 @@ import torch
 from ..errors import BackendUnavailableError, MisuseError, TierstoreIOError, TierstoreValueError, io_error
 from . import _uring
 from .files import ALIGN, File, StripedFile
-from .pool import BufferPool
+from .pool import Buffer, BufferPool
+from .tuning import Tuning
 
 log = logging.getLogger("tierstore.io")
 
@@ -69,8 +86,6 @@ class IOFuture(Future):
 def buffer_address(buf: Any, writable: bool) -> tuple[int, int, Any]:
     """(address, nbytes, object to keep alive) of a host buffer: a pool Buffer, a CPU torch tensor, a
     numpy array or anything with the buffer protocol. Must be contiguous."""
-    from .pool import Buffer
-
     if isinstance(buf, Buffer):
         buf._check()
         return buf.addr, buf.nbytes, buf
@@ -95,27 +110,68 @@ def buffer_address(buf: Any, writable: bool) -> tuple[int, int, Any]:
 
 class Piece:
     """One transfer a backend runs: `length` bytes between address `addr` and `offset` of one descriptor `fd` of
-    `file` (see [Note: requests and pieces]); the backend calls finish() with the result exactly once."""
+    `file` (see [Note: requests and pieces]); the backend calls finish() with the result exactly once.
 
-    __slots__ = ("fut", "op", "file", "fd", "addr", "length", "offset", "direct")
+    A bounced piece (`bounce` set, see [Note: bounce buffers]) moves the caller's `want` bytes at address
+    `user`, file offset `offset + skip`, through the bounce buffer at `addr`; finish() copies a read out
+    and gives the bounce buffer back. Errors always name the caller's range."""
 
-    def __init__(self, fut, op, file, fd, addr, length, offset, direct):
+    __slots__ = ("fut", "op", "file", "fd", "addr", "length", "offset", "direct", "bounce", "user", "skip", "want",
+                 "copier")
+
+    def __init__(self, fut, op, file, fd, addr, length, offset, direct, bounce=None, user=0, skip=0, want=0):
         self.fut, self.op, self.file, self.fd = fut, op, file, fd
         self.addr, self.length, self.offset, self.direct = addr, length, offset, direct
+        self.bounce, self.user, self.skip, self.want = bounce, user, skip, want
+        self.copier: ThreadPoolExecutor | None = None  # where a bounced read is copied out (else in finish)
+
+    @property
+    def user_range(self) -> tuple[int, int]:
+        """(file offset, length) of the caller's bytes this piece moves."""
+        return (self.offset + self.skip, self.want) if self.bounce is not None else (self.offset, self.length)
 
     def finish(self, result: int) -> None:
         """`result` is bytes moved or -errno. A short count is an error too (end of file / no space)."""
-        err = None
-        if result < 0:
-            err = io_error(-result, _OPNAME[self.op], self.file.path, self.offset, self.length)
-        elif result < self.length:
-            if self.op == READ:
-                what = f"read past end of file (got {result} of {self.length} bytes)"
-                err = TierstoreIOError(errno.EIO, what, self.file.path, self.offset, self.length)
-            else:
-                err = io_error(errno.ENOSPC, f"write (only {result} of {self.length} bytes taken)",
-                               self.file.path, self.offset, self.length)
+        err: BaseException | None = None
+        try:
+            off, length = self.user_range
+            need = self.skip + self.want if self.bounce is not None and self.op == READ else self.length
+            if result < 0:
+                err = io_error(-result, _OPNAME[self.op], self.file.path, off, length)
+            elif result < need:
+                if self.op == READ:
+                    got = max(0, min(result - self.skip, length)) if self.bounce is not None else result
+                    what = f"read past end of file (got {got} of {length} bytes)"
+                    err = TierstoreIOError(errno.EIO, what, self.file.path, off, length)
+                else:
+                    err = io_error(errno.ENOSPC, f"write (only {result} of {self.length} bytes taken)",
+                                   self.file.path, off, length)
+            elif self.bounce is not None and self.op == READ:
+                if self.copier is not None:  # off the thread that completes every request of the engine
+                    self.copier.submit(self._copy_out)
+                    return
+                ctypes.memmove(self.user, self.addr + self.skip, self.want)
+        except BaseException as e:  # never lose a completion
+            err = err or e
+        self._done(err)
+
+    def _copy_out(self) -> None:
+        err: BaseException | None = None
+        try:
+            ctypes.memmove(self.user, self.addr + self.skip, self.want)
+        except BaseException as e:  # never lose a completion
+            err = e
+        self._done(err)
+
+    def _done(self, err: BaseException | None) -> None:
+        if isinstance(self.bounce, Buffer):
+            self.bounce.release()
+            self.bounce = None
         self.fut._piece_done(err)
+
+    def fail(self, error: BaseException) -> None:
+        """Finish with `error` (raised while running it), giving the bounce buffer back if it has one."""
+        self._done(error)
 
 
 class _Faults:
@@ -220,7 +276,7 @@ class _ThreadBackend(Backend):
                     break  # end of file / nothing taken
                 done += n
         except BaseException as e:  # never lose a completion
-            p.fut._piece_done(e)
+            p.fail(e)
             return
         p.finish(done)
 
@@ -381,16 +437,20 @@ class Engine:
     queue_depth: requests in flight at once. block_size: a request is split into pieces of this many
     bytes, in flight together. direct: open files with O_DIRECT where possible.
     pool: a BufferPool whose memory is registered with io_uring (fixed buffers).
+    bounce_bytes: the engine's own bounce buffers for unaligned memory (see [Note: bounce buffers]).
+    `Engine.from_tuning(path)` builds one from what `tierstore tune` recommended.
     """
 
     def __init__(self, backend: str = "auto", queue_depth: int = 32, block_size: int = 1 << 20, *,
-                 direct: bool = True, pool: BufferPool | None = None):
+                 direct: bool = True, pool: BufferPool | None = None, bounce_bytes: int = 32 << 20):
         if backend not in ("auto", "io_uring", "threads"):
             raise TierstoreValueError(f"backend={backend!r}; choose 'auto', 'io_uring' or 'threads'")
         if not 1 <= queue_depth <= 4096:
             raise TierstoreValueError(f"queue_depth={queue_depth} must be in 1..4096")
         if block_size < ALIGN or block_size % ALIGN:
             raise TierstoreValueError(f"block_size={block_size} must be a positive multiple of {ALIGN} bytes")
+        if isinstance(bounce_bytes, bool) or not isinstance(bounce_bytes, int) or bounce_bytes < 0:
+            raise TierstoreValueError(f"bounce_bytes={bounce_bytes!r} must be an int >= 0 (bytes)")
         self.queue_depth = queue_depth
         self.block_size = block_size  # bytes
         self.direct = direct
@@ -407,9 +467,18 @@ class Engine:
                 self._backend = _ThreadBackend(queue_depth)
         else:
             self._backend = _ThreadBackend(queue_depth)
+        # Bounce buffers: a block plus the 4 KiB a read's aligned cover may add; at least two, so a copy
+        # overlaps a transfer. Not page-locked (the kernel pins what is in flight); untouched until used.
+        bb = block_size + ALIGN
+        self._bounce = BufferPool(max(2 * bb, bounce_bytes // bb * bb), bb, lock=False)
+        self._counts = {"direct": 0, "bounced": 0, "buffered": 0}  # bytes by path (see stats())
+        self._bounce_logged = False
+        self._copier: ThreadPoolExecutor | None = None  # bounced reads' copy-out (io_uring), started when needed
         self.buffers_registered = False
         if pool is not None:
             self.register_pool(pool)
+        else:
+            self._backend.register_buffers(self._bounce.regions())
         self._files: dict[str, File] = {}
         self._owned: list[File | StripedFile] = []
         self._lock = threading.Lock()
@@ -423,9 +492,27 @@ class Engine:
         return self._backend.name
 
     def register_pool(self, pool: BufferPool) -> bool:
-        """Register the pool's memory as fixed buffers (io_uring). Returns whether the kernel took it."""
-        self.buffers_registered = self._backend.register_buffers(pool.regions())
+        """Register the pool's memory as fixed buffers (io_uring). Returns whether the kernel took it. The
+        bounce buffers are registered with it where the page-lock limit allows both, else the pool alone."""
+        self.buffers_registered = (self._backend.register_buffers(pool.regions() + self._bounce.regions())
+                                   or self._backend.register_buffers(pool.regions()))
         return self.buffers_registered
+
+    @classmethod
+    def from_tuning(cls, path: str | os.PathLike, **overrides) -> Engine:
+        """An engine with the knobs `tierstore tune` wrote to `path` (see tierstore/io/tuning.py); keyword
+        arguments override them."""
+        return cls(**{**Tuning.load(path).engine_kwargs(), **overrides})
+
+    def stats(self) -> dict:
+        """Bytes moved so far by path: 'direct' (O_DIRECT from/into the caller's memory), 'bounced' (O_DIRECT
+        through the bounce buffers) and 'buffered' (the page cache: a filesystem without O_DIRECT, or the
+        partial end blocks of an unaligned write), plus the bounce buffers' count and size."""
+        with self._lock:
+            out = dict(self._counts)
+        out["bounce_buffers"] = self._bounce.count
+        out["bounce_buffer_bytes"] = self._bounce.buffer_bytes
+        return out
 
     # -- files ----------------------------------------------------------------------------------
     def open(self, path: str | os.PathLike, mode: str = "c", *, direct: bool | None = None) -> File:
@@ -495,7 +582,8 @@ class Engine:
     def _submit(self, op: int, file, requests: list) -> IOFuture:
         self._check_open()
         f = self._resolve(file, op)
-        pieces, keep, total = [], [], 0
+        pieces: list[Piece] = []
+        keep, total = [], 0
         for buffer, offset in requests:
             if offset < 0:
                 raise TierstoreValueError(f"offset={offset} must be >= 0")
@@ -507,29 +595,104 @@ class Engine:
         if not pieces:
             fut.set_result(0)
             return fut
+        counts = dict.fromkeys(self._counts, 0)
+        straight, bounced = [], []
         for p in pieces:
             p.fut = fut
+            if p.bounce is not None:
+                bounced.append(p)
+                counts["bounced"] += p.want
+            else:
+                straight.append(p)
+                counts["direct" if p.direct else "buffered"] += p.length
         fut._left = len(pieces)
         with self._lock:
             self._outstanding.add(fut)
+            for key, v in counts.items():
+                self._counts[key] += v
+            first_bounce = bool(bounced) and not self._bounce_logged
+            self._bounce_logged = self._bounce_logged or first_bounce
+        if first_bounce:
+            p = bounced[0]
+            why = (f"its buffer address {p.user:#x}" if p.user % ALIGN else
+                   f"its file offset {p.offset + p.skip}" if (p.offset + p.skip) % ALIGN else f"its length {p.want}")
+            log.info("a %s of %s: %s is not %d-byte aligned, so unaligned blocks go through the "
+                     "engine's O_DIRECT bounce buffers (one extra copy); 4 KiB-aligned memory (a BufferPool "
+                     "buffer, tierstore.tiers.host.aligned_empty) skips the copy", _OPNAME[op], f.path, why, ALIGN)
         fut.add_done_callback(self._on_done)
-        self._backend.submit_many(pieces)
+        if straight:
+            self._backend.submit_many(straight)
+        if bounced:
+            self._submit_bounced(op, bounced)
         return fut
 
+    def _submit_bounced(self, op: int, pieces: list[Piece]) -> None:
+        """Lease a bounce buffer per piece, as they free up, and submit (see [Note: bounce buffers]): a write
+        is copied in and submitted at once, so the copy of the next overlaps its transfer; reads are
+        submitted in batches of the buffers free at the time, each copied out as it completes."""
+        copier = None
+        if op == READ and self.backend == "io_uring":  # its one collector thread completes everything
+            with self._lock:
+                if self._copier is None:
+                    self._copier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-bounce")
+                copier = self._copier
+        i = 0
+        try:
+            while i < len(pieces):
+                batch = [pieces[i]]
+                batch[0].bounce = self._bounce.lease()
+                if op == READ:
+                    while i + len(batch) < len(pieces):
+                        buf = self._bounce.try_lease()
+                        if buf is None:
+                            break
+                        pieces[i + len(batch)].bounce = buf
+                        batch.append(pieces[i + len(batch)])
+                for p in batch:
+                    p.addr, p.copier = p.bounce.addr, copier
+                    if op == WRITE:
+                        ctypes.memmove(p.addr, p.user, p.want)
+                i += len(batch)
+                self._backend.submit_many(batch)
+        except BaseException as e:  # never leave a request's future unresolved
+            for p in pieces[i:]:
+                p.fail(e)
+            raise
+
     def _pieces(self, op, f, addr, nbytes, offset):
-        """The pieces of one request (see [Note: requests and pieces]); their future is set by the caller."""
+        """The pieces of one request (see [Note: requests and pieces]); their future is set by the caller. A
+        bounced piece gets its bounce buffer (and so its address) when it is submitted."""
         bs = self.block_size
         for part, phys, boff, length in f.map(offset, nbytes):
             a = addr + boff
-            for o in range(0, length, bs):
-                n = min(bs, length - o)
+            if part.direct_fd is None:  # the filesystem refuses O_DIRECT (files.py logged it)
+                for o in range(0, length, bs):
+                    yield Piece(None, op, part, part.fd, a + o, min(bs, length - o), phys + o, False)
+                continue
+            pos, end = 0, length
+            if op == WRITE and phys % ALIGN:  # the partial first block of an unaligned write: buffered
+                head = min(end, ALIGN - phys % ALIGN)
+                yield Piece(None, op, part, part.fd, a, head, phys, False)
+                pos = head
+            if op == WRITE:  # ... and the partial last block
+                tail = (phys + end) % ALIGN if end > pos else 0
+                if tail:  # (phys + end - tail is 4 KiB aligned, so it is >= phys + pos)
+                    end -= tail
+                    yield Piece(None, op, part, part.fd, a + end, tail, phys + end, False)
+            for o in range(pos, end, bs):
+                n = min(bs, end - o)
                 pa, po = a + o, phys + o
-                aligned = n - n % ALIGN if (part.direct_fd is not None and pa % ALIGN == 0
-                                             and po % ALIGN == 0) else 0
-                if aligned:
-                    yield Piece(None, op, part, part.direct_fd, pa, aligned, po, True)
-                if n - aligned:
-                    yield Piece(None, op, part, part.fd, pa + aligned, n - aligned, po + aligned, False)
+                if pa % ALIGN == 0 and po % ALIGN == 0 and n % ALIGN == 0:
+                    yield Piece(None, op, part, part.direct_fd, pa, n, po, True)
+                    continue
+                if pa % ALIGN == 0 and po % ALIGN == 0 and n > ALIGN:  # a read's unaligned tail: bounce it alone
+                    body = n - n % ALIGN
+                    yield Piece(None, op, part, part.direct_fd, pa, body, po, True)
+                    pa, po, n = pa + body, po + body, n - body
+                lo = po - po % ALIGN  # the aligned cover of [po, po + n)
+                cover = (po + n - lo + ALIGN - 1) // ALIGN * ALIGN
+                yield Piece(None, op, part, part.direct_fd, 0, cover, lo, True, bounce=True, user=pa, skip=po - lo,
+                            want=n)
 
     def _on_done(self, fut: Future) -> None:  # an IOFuture
         with self._lock:
@@ -577,6 +740,9 @@ class Engine:
             pass  # reported through the futures already
         self._closed = True
         self._backend.close()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+        self._bounce.close()
         with self._lock:
             owned, self._owned = self._owned, []
             self._files.clear()

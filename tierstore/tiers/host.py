@@ -28,8 +28,9 @@ _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _lock_warned = False
 
 
-def aligned_empty(nbytes: int, *, lock: bool = True) -> torch.Tensor:
-    """A uint8 CPU tensor of `nbytes` at a 4 KiB-aligned address (page-locked when `lock` and allowed)."""
+def aligned_empty(nbytes: int, *, lock: bool = True, huge: bool = True) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes` at a 4 KiB-aligned address (page-locked when `lock` and allowed; advised
+    for transparent huge pages when `huge`)."""
     global _lock_warned
     if nbytes < ALIGNED_MIN:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -37,7 +38,8 @@ def aligned_empty(nbytes: int, *, lock: bool = True) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     t = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive; unmapped (and unlocked) with the tensor
-    advise_huge_pages(t.data_ptr(), nbytes)  # fewer page faults and fewer pages per O_DIRECT request
+    if huge:
+        advise_huge_pages(t.data_ptr(), nbytes)  # fewer page faults and fewer pages per O_DIRECT request
     if lock and _libc.mlock(t.data_ptr(), nbytes) != 0 and not _lock_warned:
         _lock_warned = True
         log.warning("host tier: page-locking failed (errno %d, `ulimit -l` too low?); host copies stay "
@@ -49,8 +51,11 @@ def aligned_empty(nbytes: int, *, lock: bool = True) -> torch.Tensor:
 def result_empty(nbytes: int) -> torch.Tensor:
     """Memory for a tensor handed to the caller (get()): torch's allocator, whose recycled heap spares the
     page faults a fresh mapping costs, except for large tensors, which get a 4 KiB-aligned mapping so the
-    nvme tier reads them with O_DIRECT straight into place."""
-    return aligned_empty(nbytes, lock=False) if nbytes >= RESULT_ALIGNED_MIN else torch.empty(nbytes, dtype=torch.uint8)
+    nvme tier reads them with O_DIRECT straight into place, faulted in ahead of the reads and on small pages
+    (see [Note: fresh memory] in tiers/nvme/reads.py)."""
+    if nbytes >= RESULT_ALIGNED_MIN:
+        return aligned_empty(nbytes, lock=False, huge=False)
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 RESULT_ALIGNED_MIN = 8 << 20  # bytes

@@ -67,6 +67,7 @@ class OffloadConfig:
         ``<nvme_path>/activations-rank<r>``. activation_mode: 'all' or 'checkpoint' (only the inputs
         torch.utils.checkpoint keeps). activation_budget_bytes: the most bytes offloaded at once (None: no
         limit). activation_compress: None (exact), 'bf16' or a quantization scheme ('int8'), nvme only.
+    io_tuning: path of a `tierstore tune DIR` recommendation for the store's I/O (see tierstore/io/tuning.py).
     """
 
     params: str = "device"
@@ -94,6 +95,7 @@ class OffloadConfig:
     activation_mode: str = "all"  # 'all' or 'checkpoint'
     activation_budget_bytes: int | None = None  # bytes
     activation_compress: str | None = None
+    io_tuning: str | None = None
     extra: dict = field(default_factory=dict)  # keys from_deepspeed could not map, kept for reference
 
     def __post_init__(self) -> None:
@@ -144,6 +146,9 @@ class OffloadConfig:
                                       "'checkpoint'")
         if self.activation_offload == "nvme" and not self.nvme_paths:
             raise TierstoreValueError("OffloadConfig(activation_offload='nvme') needs nvme_paths=['/path/on/nvme']")
+        if self.io_tuning is not None:
+            from ..io import Tuning
+            Tuning.coerce(self.io_tuning)  # a bad file is refused here, naming it
         if not self.initial_loss_scale > 0 or not self.min_loss_scale > 0:
             raise TierstoreValueError("OffloadConfig: initial_loss_scale and min_loss_scale must be > 0")
 

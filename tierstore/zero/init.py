@@ -246,6 +246,7 @@ class Init:
             paths = [self._tmpdir]
         self.store = Store(paths, device_budget=None if cfg.params == "device" else 0,
                            host_budget=None if cfg.params == "host" else 0, pinned_budget=cfg.pinned_bytes,
+                           io_tuning=cfg.io_tuning,
                            _fresh=True)  # starts empty; discards a previous run's manifest under its locks
         self._inside = True
         with _lock:

@@ -192,7 +192,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         # another one is using gets MisuseError and changes nothing.
         self.store = Store(paths, device_budget=None if "device" in tiers else 0,
                            host_budget=None if "host" in tiers else 0, pinned_budget=config.pinned_bytes,
-                           device=self.device, _fresh=True)
+                           device=self.device, io_tuning=config.io_tuning, _fresh=True)
         policy = None
         if config.state_codec == "dynamic8":
             from ..quant.states import StatePolicy

@@ -13,11 +13,21 @@ covering them ([Note: block checksums] in extents.py) -- consecutive blocks as o
 RANGE_SPAN bytes, every request 4 KiB aligned and O_DIRECT into aligned memory, all submitted as one batch --
 checks each block's crc32c, then copies the ranges out. An extent without block crcs is read whole (and its
 whole crc32c checked), so a range read is never less verified than a full one.
+
+[Note: fresh memory]
+get() reads into memory allocated for the result. Its pages do not exist yet: an O_DIRECT read into it
+takes a page fault per page inside the submission, on the reading thread, one after another, and that --
+not the disk -- bounded get() to a fraction of get(out=). So a thread faults the direct chunks in ahead of
+the reads (MADV_POPULATE_WRITE, one call per chunk) while the reads of the chunks before are in flight, and
+the reader submits a chunk once it is populated. On memory already populated (out=) the call only walks the
+page tables. Result memory is not advised for huge pages (tiers/host.py result_empty): measured here, a
+fresh huge page's compaction made populating slower and far more variable than small pages (docs/io.md).
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
 from collections import deque
 
@@ -26,6 +36,7 @@ import torch
 from ...errors import CorruptionError, TierstoreValueError
 from ...io import ALIGN, Buffer, BufferPool, Engine
 from ...io.checksum import crc_at
+from ...io.pool import populate
 from ..base import TierStats, profile_range
 from ..host import aligned_empty
 from .extents import CRC_BLOCK, EXTENT_FILE, Extent, ExtentSpace, align_up
@@ -34,6 +45,42 @@ from .writes import ExtentWriter
 
 RUN_GAP = 64 << 10  # bytes: the largest hole between two small extents read in one request
 RANGE_SPAN = 16 * CRC_BLOCK  # bytes: the largest request of a range read (consecutive blocks)
+PREFAULT_MIN = 16 << 20  # bytes read straight into memory from which the memory is faulted in ahead
+
+
+class Prefault:
+    """Faults in `ranges` [(address, bytes)] in order on a thread (see [Note: fresh memory]); wait(k) returns
+    once range k is populated (or populating is unavailable, or the thread stopped)."""
+
+    def __init__(self, ranges: list[tuple[int, int]]):
+        self._ranges = ranges
+        self._done = 0  # ranges populated so far
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="tierstore-prefault", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for i, (addr, nbytes) in enumerate(self._ranges):
+                if self._stop or not populate(addr, nbytes):
+                    break
+                with self._cond:
+                    self._done = i + 1
+                    self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._done = len(self._ranges)  # nothing more to wait for
+                self._cond.notify_all()
+
+    def wait(self, k: int) -> None:
+        with self._cond:
+            while self._done <= k:
+                self._cond.wait()
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
 
 
 def plan_runs(extents: list[Extent], buffer_bytes: int) -> list[list[int]]:
@@ -255,6 +302,10 @@ class ExtentReader:
             finally:
                 if buf is not None:
                     buf.release()
+        ranges = [(items[i][1].data_ptr() + a, min(bb, items[i][0].length - a)) for i in idx
+                  if items[i][1].data_ptr() % ALIGN == 0 for a in range(0, items[i][0].length, bb)]
+        prefault = Prefault(ranges) if sum(n for _a, n in ranges) >= PREFAULT_MIN else None
+        k = 0  # direct chunks submitted
         try:
             for i in idx:
                 e, out, what = items[i]
@@ -265,6 +316,9 @@ class ExtentReader:
                     if direct:
                         while len(window) >= max_direct:
                             finish_oldest()
+                        if prefault is not None:
+                            prefault.wait(k)
+                        k += 1
                         buf, target = None, out[a:a + take]
                     else:
                         buf = self._lease_or_finish(window, finish_oldest)
@@ -280,6 +334,8 @@ class ExtentReader:
             while window:
                 finish_oldest()
         finally:
+            if prefault is not None:
+                prefault.close()
             while window:
                 _i, _a, _t, buf, io = window.popleft()
                 io.exception()  # wait: the kernel may still write into the memory

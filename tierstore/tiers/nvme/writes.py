@@ -6,6 +6,14 @@ the next 4 KiB boundary of a buffer-sized region allocated in one piece; when th
 fit (or someone needs the data: a read, `sync()`), the buffer is written in one request. 10,000 tensors
 of 4 KiB-1 MiB thus become ~4 MiB writes. A larger tensor streams through pool buffers, a buffer at a
 time, with as many writes in flight as the pool has free buffers (back-pressure when it has none).
+
+[Note: large aligned tensors are written in place]
+A tensor at a 4 KiB-aligned address (a host-tier copy, a BufferPool buffer, aligned_empty) at least as
+large as the whole pool would stream through every pool buffer and wait for them anyway. So it is written
+straight from its own memory with O_DIRECT, no copy, in pool-buffer-sized requests all in flight; its crc32c
+is computed on the calling thread over each request's bytes while the disk moves them, and the call returns
+once the writes are done -- the tensor may change after it returns, as with a copy. Only the partial last
+4 KiB block goes through a pool buffer (the extent's padding follows it).
 """
 from __future__ import annotations
 
@@ -20,7 +28,7 @@ from concurrent.futures import Future
 import torch
 
 from ...errors import MisuseError, TierstoreValueError, io_error
-from ...io import Buffer, BufferPool, Engine
+from ...io import ALIGN, Buffer, BufferPool, Engine, StripedFile
 from ..base import TierStats, profile_range
 from .extents import BlockCrcs, Extent, ExtentSpace, align_up, block_crcs
 from .files import ExtentFiles, part_ranges
@@ -163,6 +171,8 @@ class ExtentWriter:
             with profile_range("tierstore::nvme_write"):
                 if alen <= self.pool.buffer_bytes:
                     return self._write_staged(src.data_ptr(), n, alen, what)
+                if src.data_ptr() % ALIGN == 0 and alen >= self.pool.nbytes:
+                    return self._write_in_place(src, n, alen, what)
                 return self._write_streamed(src.data_ptr(), n, alen, what)
         finally:
             self.stats.add("in", n, time.perf_counter() - t0)
@@ -226,7 +236,8 @@ class ExtentWriter:
         with self._lock:
             self._seal()
 
-    def _write_streamed(self, addr: int, n: int, alen: int, what: str) -> Extent:
+    def _claim(self, alen: int, what: str) -> tuple[int, int, StripedFile]:
+        """(file, offset, striped file) of a new extent of `alen` bytes, its disk space reserved."""
         with self._lock:
             f, off = self._allocate(alen)
             try:
@@ -235,7 +246,46 @@ class ExtentWriter:
                 self.space.release(f, off, alen)
                 raise
             self.files.dirty.add(f)
-            sf = self.files.list[f]
+            return f, off, self.files.list[f]
+
+    def _write_in_place(self, src: torch.Tensor, n: int, alen: int, what: str) -> Extent:
+        """See [Note: large aligned tensors are written in place]."""
+        f, off, sf = self._claim(alen, what)
+        addr, bb = src.data_ptr(), self.pool.buffer_bytes
+        src = src.reshape(-1).view(torch.uint8)  # bytes
+        body = n - n % ALIGN  # bytes written from the tensor itself
+        ios: list[Future] = []
+        crcs = BlockCrcs()  # [Note: block checksums] in extents.py
+        tail: Buffer | None = None
+        fut: Future = Future()
+        try:
+            try:
+                for a in range(0, body, bb):
+                    take = min(bb, body - a)
+                    ios.append(self.engine.write(sf, src[a:a + take], off + a))
+                    crcs.feed(addr + a, take)  # [Note: one pass over the data, while it is in cache]
+                if body < n:
+                    tail = self.lease()
+                    ctypes.memmove(tail.addr, addr + body, n - body)
+                    crcs.feed(tail.addr, n - body)
+                    ios.append(self.engine.write(sf, tail.tensor(torch.uint8, ALIGN), off + body))
+            finally:
+                for io in ios:
+                    io.exception()  # wait: the tensor's memory is the caller's again when this returns
+                if tail is not None:
+                    tail.release()
+            err = next((io.exception() for io in ios if io.exception() is not None), None)
+        except Exception as e:
+            err = e
+        if err is None:
+            fut.set_result(n)
+        else:
+            fut.set_exception(err)  # reported like a streamed write's: by the read or the flush
+        crc, blocks = crcs.finish()
+        return Extent(f, off, n, alen, crc, fut, blocks)
+
+    def _write_streamed(self, addr: int, n: int, alen: int, what: str) -> Extent:
+        f, off, sf = self._claim(alen, what)
         bb = self.pool.buffer_bytes
         chunks = (alen + bb - 1) // bb
         fut: Future = Future()

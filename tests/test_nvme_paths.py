@@ -1,0 +1,129 @@
+"""The nvme tier's fast paths: a large aligned tensor is written from its own memory with its crc computed
+alongside ([Note: large aligned tensors are written in place] in tiers/nvme/writes.py), and get() into fresh
+memory faults it in ahead of the reads ([Note: fresh memory] in tiers/nvme/reads.py)."""
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+
+import tierstore.tiers.nvme.reads as nvme_reads
+from tierstore.errors import TierstoreIOError
+from tierstore.io import ALIGN
+from tierstore.store import Store
+from tierstore.tiers.host import aligned_empty
+
+MiB = 1 << 20  # bytes
+
+
+def opts(**kw) -> dict:
+    return {"pinned_budget": 4 * MiB, "buffer_bytes": MiB, "lock_memory": False, "host_budget": 0, **kw}
+
+
+def aligned_values(nbytes: int, seed: int) -> torch.Tensor:
+    """A float32 tensor of `nbytes` (a multiple of 4) at a 4 KiB-aligned address."""
+    t = aligned_empty(nbytes, lock=False).view(torch.float32)
+    t.copy_(torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(seed)))
+    return t
+
+
+def spy_writes(s: Store, monkeypatch) -> list[tuple[int, int]]:
+    """(address, bytes) of every buffer the store's engine writes from."""
+    seen: list[tuple[int, int]] = []
+    real = s._engine.write
+
+    def write(f, buf, offset=0):
+        if isinstance(buf, torch.Tensor):
+            seen.append((buf.data_ptr(), buf.numel() * buf.element_size()))
+        else:
+            seen.append((buf.addr, buf.nbytes))
+        return real(f, buf, offset)
+
+    monkeypatch.setattr(s._engine, "write", write)
+    return seen
+
+
+@pytest.mark.parametrize("nbytes", [6 * MiB, 6 * MiB + 1000 * 4], ids=["whole-blocks", "partial-tail"])
+def test_large_aligned_put_is_written_in_place(tmp_path, monkeypatch, nbytes):
+    d = str(tmp_path / "s")
+    x = aligned_values(nbytes, 1)
+    keep = x.clone()
+    with Store(d, **opts()) as s:
+        seen = spy_writes(s, monkeypatch)
+        s.put("x", x, "nvme")
+        lo, hi = x.data_ptr(), x.data_ptr() + nbytes
+        from_tensor = sum(n for a, n in seen if lo <= a < hi)
+        assert from_tensor == nbytes - nbytes % ALIGN, (seen, lo)  # no copy but the partial last block
+        assert len(seen) - sum(1 for a, _ in seen if lo <= a < hi) == (1 if nbytes % ALIGN else 0)
+        x.fill_(-1)  # the call returned: the tensor is the caller's again; the store kept the old value
+        s.flush()
+        assert torch.equal(s.get("x"), keep)
+    with Store.open(d, **opts()) as s:  # its crc32c, computed alongside the writes, checks on read
+        assert torch.equal(s.get("x"), keep)
+        # ... and its block crcs too ([Note: block checksums]): a range read reads only the blocks it needs
+        before = s.stats()["nvme"]["bytes_out"]
+        assert torch.equal(s.get("x", rows=slice(700_000, 710_000)), keep[700_000:710_000])  # 1-D: rows are elements
+        assert s.stats()["nvme"]["bytes_out"] - before < nbytes // 4
+
+
+def test_smaller_or_unaligned_tensors_are_copied(tmp_path, monkeypatch):
+    """Below the pool's size, or at an unaligned address, a put copies as before (returns before the write)."""
+    with Store(str(tmp_path / "s"), **opts()) as s:
+        seen = spy_writes(s, monkeypatch)
+        small = aligned_values(2 * MiB, 2)  # half the pool
+        plain = torch.empty(6 * MiB // 4 + 16)[16:]  # an ordinary allocation, not 4 KiB aligned
+        plain.copy_(torch.randn(plain.numel()))
+        assert plain.data_ptr() % ALIGN
+        s.put("small", small, "nvme")
+        s.put("plain", plain, "nvme")
+        for t in (small, plain):
+            assert not any(t.data_ptr() <= a < t.data_ptr() + t.numel() * 4 for a, _ in seen)
+        s.flush()
+        assert torch.equal(s.get("small"), small) and torch.equal(s.get("plain"), plain)
+
+
+def test_in_place_write_failure_is_reported_by_flush(tmp_path):
+    d = str(tmp_path / "s")
+    s = Store(d, **opts())
+    s.put("x", aligned_values(6 * MiB, 3), "nvme")
+    s.flush()
+    s._engine.inject_fault(2, "eio")
+    s.put("x", aligned_values(6 * MiB, 4), "nvme")
+    with pytest.raises(TierstoreIOError) as ei:
+        s.flush()
+    assert ei.value.errno == errno.EIO and "'x'" in str(ei.value)
+    s.close(flush=False)
+    with Store.open(d, **opts()) as s2:  # the last flushed value stands
+        assert torch.equal(s2.get("x"), aligned_values(6 * MiB, 3))
+
+
+@pytest.mark.parametrize("populate_works", [True, False])
+def test_get_faults_fresh_memory_in_ahead(tmp_path, monkeypatch, populate_works):
+    """get() of a large tensor populates its result chunk by chunk ahead of the reads; where the kernel has
+    no MADV_POPULATE_WRITE the reads fault the pages themselves and nothing waits forever."""
+    calls: list[tuple[int, int]] = []
+    real = nvme_reads.populate
+
+    def populate(addr, nbytes):
+        calls.append((addr, nbytes))
+        return real(addr, nbytes) if populate_works else False
+
+    monkeypatch.setattr(nvme_reads, "populate", populate)
+    x = torch.randn((24 * MiB + 4096) // 4)
+    with Store(str(tmp_path / "s"), **opts()) as s:
+        s.put("x", x, "nvme")
+        s.flush()
+        got = s.get("x")
+        assert torch.equal(got, x)
+        assert got.data_ptr() % ALIGN == 0
+        if populate_works:
+            assert sum(n for _a, n in calls) == x.numel() * 4
+            assert all(got.data_ptr() <= a < got.data_ptr() + x.numel() * 4 for a, _n in calls)
+        else:
+            assert len(calls) == 1  # refused once, then left to the reads
+        calls.clear()
+        out = torch.empty(x.numel() + 16)[16:]  # not 4 KiB aligned: read through pool buffers, nothing populated
+        assert out.data_ptr() % ALIGN
+        s.get("x", out=out)
+        assert torch.equal(out, x) and not calls
