@@ -638,22 +638,6 @@ def test_one_buffer_pinned_budget_does_not_hang(tmp_path):
     opt.close()
 
 
-def test_bench_optim_runs_small(tmp_path):
-    import json
-
-    from tierstore.cli import main
-    rc = main(["bench", "optim", "--params", "400000", "--tensors", "4", "--sub-group", "256K", "--pinned", "8M",
-               "--rounds", "1", "--dir", str(tmp_path), "--json", str(tmp_path / "r.json")])
-    assert rc == 0
-    r = json.loads((tmp_path / "r.json").read_text())
-    import shutil
-    fio = {"fio_read", "fio_write", "fio_readwrite"} if shutil.which("fio") else set()
-    assert set(r["median_s"]) == {"ref", "host", "nvme", "nvme8", "compute", "read", "write", "readwrite"} | fio
-    assert r["subgroups"] >= 3 and all(v > 0 for v in r["median_s"].values())
-    # the benchmark removed its files; it leaves its figures and (with matplotlib) their picture
-    assert {p.name for p in tmp_path.iterdir()} <= {"r.json", "r.png"} and (tmp_path / "r.json").exists()
-
-
 def test_external_parameter_used_by_another_module(tmp_path):
     from tierstore.zero import register_external_parameter
 

@@ -15,7 +15,9 @@ BENCHMARKS = {
     "io": "sequential and small-request I/O vs fio and DeepSpeed aio",
     "store": "Store put+flush/get of many small and a few large tensors vs the raw engine and torch.save/load",
     "partition": "layout of GPT-2/7B shapes: I/O requests per rank, their size, padding vs one file per parameter",
-    "optim": "Zero3Optimizer step on host / NVMe / NVMe+8-bit vs fused torch AdamW, the raw disk and the compute",
+    "optim": "training steps of a Linear stack: torch AdamW in memory vs host / NVMe / NVMe+8-bit tiers vs DeepSpeed "
+             "ZeRO-3 (Offload, Infinity), the raw engine on the same bytes, peak RSS",
+    "train": "tokens/s of a GPT: torch AdamW in memory vs host / NVMe / NVMe+8-bit tiers, the raw engine, peak RSS",
     "scale": "one GPT family from 64M to 1B parameters on NVMe: peak RSS, bytes on disk, step time per parameter",
 }
 

@@ -45,7 +45,7 @@ def run(args) -> int:
     try:
         import bitsandbytes.functional as bnbf  # optional reference; never a dependency
     except Exception:  # noqa: BLE001 - any import failure means "not available"
-        bnbf = None
+        bnbf = None  # type: ignore[assignment]
     n = args.numel
     blocks = [int(b) for b in args.blocks.split(",")]
     schemes = [get(s).name for s in args.schemes.split(",")] if args.schemes else list(SCHEMES)
