@@ -104,3 +104,18 @@ def test_ds_config_refuses_bad_input():
 def test_deepspeed_python_names_the_install_command(tmp_path):
     py, why = steps.deepspeed_python(str(tmp_path / "absent" / "python"))
     assert py is None and steps.DS_INSTALL in why
+
+
+def test_tier_bytes_takes_the_optimizers_count_by_kind_where_there_is_one():
+    from types import SimpleNamespace
+
+    from tierstore.bench._case import tier_bytes
+
+    store = SimpleNamespace(stats=lambda: {"host": {"bytes_out": 1, "bytes_in": 2},
+                                           "nvme": {"bytes_out": 30, "bytes_in": 40}})
+    plain = SimpleNamespace(store=store)  # an optimizer without per-kind counts: store totals only
+    assert tier_bytes(plain) == {"host_read": 1, "host_written": 2, "nvme_read": 30, "nvme_written": 40}
+    counted = SimpleNamespace(store=store, stats=lambda: SimpleNamespace(
+        disk_read={"master": 10, "states": 20}, disk_written={"master": 11, "states": 22}))
+    b = tier_bytes(counted)
+    assert b["disk_read_master"] == 10 and b["disk_written_states"] == 22 and b["nvme_read"] == 30

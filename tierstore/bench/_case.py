@@ -26,14 +26,20 @@ def offload_config(case: str, spec: dict):
                          pinned_bytes=spec["pinned_bytes"])
 
 
-def tier_bytes(store) -> dict[str, int]:
-    """Bytes moved so far: {tier_read, tier_written} for each tier (read = out of the tier, written = into it)."""
-    s = store.stats()
+def tier_bytes(opt) -> dict[str, int]:
+    """Bytes moved so far: {tier_read, tier_written} for each tier from store.stats() (read = out of the tier,
+    written = into it), and, where the optimizer counts them (OptimizerStats.disk_read / disk_written), the
+    disk's bytes by kind: {disk_read_<kind>, disk_written_<kind>} (params, grads, master, states)."""
+    s = opt.store.stats()
     out = {}
     for tier in ("host", "nvme"):
         if tier in s:
             out[f"{tier}_read"] = int(s[tier]["bytes_out"])
             out[f"{tier}_written"] = int(s[tier]["bytes_in"])
+    st = opt.stats() if hasattr(opt, "stats") else None
+    for direction in ("read", "written"):
+        for kind, nbytes in (getattr(st, f"disk_{direction}", None) or {}).items():
+            out[f"disk_{direction}_{kind}"] = int(nbytes)
     return out
 
 
@@ -81,9 +87,9 @@ def main(argv: list[str]) -> int:
 
     def zero_step() -> dict:
         x, y = batch()
-        before = tier_bytes(zopt.store)
+        before = tier_bytes(zopt)
         out = _harness.timed_step(lambda: loss_fn(model, x, y), lambda loss: loss.backward(), step_and_zero)
-        after = tier_bytes(zopt.store)
+        after = tier_bytes(zopt)
         out["bytes"] = {k: after[k] - before.get(k, 0) for k in after}
         return out
 

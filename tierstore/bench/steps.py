@@ -211,13 +211,14 @@ def run(args, model: str, name: str) -> int:
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(tierstore.__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": os.pathsep.join([pkg_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    workers: dict[str, Worker] = {}
+    starting: dict[str, Worker] = {}
+    workers: dict[str, Worker] = {}  # the started ones that answered ready
     ready: dict[str, dict] = {}
     raw = None
     try:
         print(f"bench {name}: {nparams / 1e6:.1f}M parameters ({layers} x {width}), load average "
               f"{load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; starting {len(cases)} case processes ...", flush=True)
-        for c in cases:
+        for c in cases:  # all at once: they build their models and warm up side by side, nothing is timed yet
             if c in skipped:
                 continue
             cspec = json.dumps({**spec, "case": c})
@@ -225,7 +226,8 @@ def run(args, model: str, name: str) -> int:
                 cmd = [ds_py or "", os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ds_case.py"), cspec]
             else:
                 cmd = [sys.executable, "-m", "tierstore.bench._case", cspec]
-            w = Worker(c, cmd, env, os.path.join(root, f"{c}.log"))
+            starting[c] = Worker(c, cmd, env, os.path.join(root, f"{c}.log"))
+        for c, w in starting.items():
             try:
                 r = w.ask(None, args.timeout)
             except RuntimeError as e:
@@ -258,7 +260,7 @@ def run(args, model: str, name: str) -> int:
             print(f"--- {w.case} output ---\n{w.tail()}", file=sys.stderr)
         raise
     finally:
-        for w in workers.values():
+        for w in starting.values():
             w.kill()
         if raw is not None:
             raw.close()
@@ -353,6 +355,13 @@ def print_results(name, result, args, nparams, layers, width, tokens, load0, loa
         ok = "" if t is None else ("met" if (v <= t[1] if t[0] == "<=" else v >= t[1]) else "MISSED")
         rrows.append([k, f"{v:.2f}x", f"{t[0]} {t[1]}x" if t else "", ok])
     print_table(f"bench {name}: ratios (same run)", ["ratio", "value", "target", ""], rrows)
+    kinds = sorted({k.split("_", 2)[2] for b in by.values() for k in b if k.startswith("disk_read_")})
+    if kinds:  # the optimizer's own count of disk bytes by kind ([Note: disk bytes by kind], zero/disk_bytes.py)
+        krows = [[LABELS[c], *(f"{b.get(f'disk_read_{k}', 0) / nparams:.2f} | "
+                               f"{b.get(f'disk_written_{k}', 0) / nparams:.2f}" for k in kinds)]
+                 for c, b in by.items() if any(f"disk_read_{k}" in b for k in kinds)]
+        print_table(f"bench {name}: disk bytes per parameter per step, read | written, by kind", ["case", *kinds],
+                    krows)
     for c, why in skipped.items():
         print(f"skipped {c}: {why}")
     for n in notes:
