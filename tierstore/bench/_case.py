@@ -47,12 +47,8 @@ def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     from . import _harness
 
-    _harness.threads(spec["threads"])
+    _harness.setup(spec["threads"])
     import torch
-
-    from .gpt import keep_heap_small
-
-    keep_heap_small()  # [Note: resident memory follows live memory] in gpt.py
     case = spec["case"]
     make, data, loss_fn, _tokens = _harness.build(spec)
     n = [0]

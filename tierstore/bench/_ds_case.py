@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, here)
     import _harness
 
-    _harness.threads(spec["threads"])
+    _harness.setup(spec["threads"])
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
                  ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):

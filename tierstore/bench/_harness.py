@@ -142,8 +142,13 @@ def serve(one_step, warmup: int, final=None, ready_info: dict | None = None) -> 
     return 0
 
 
-def threads(n: int) -> None:
+def setup(n: int) -> None:
+    """What every case's process does first, whichever library it runs: `n` torch threads, and the same heap
+    policy (gpt.keep_heap_small, [Note: resident memory follows live memory]) -- the allocator decides how
+    much each large allocation costs and how much freed memory stays resident, so a case with another policy
+    would measure the allocator, not the library."""
     import torch
 
     torch.set_num_threads(n)
     os.environ.setdefault("OMP_NUM_THREADS", str(n))
+    _gpt_module().keep_heap_small()
