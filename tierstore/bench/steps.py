@@ -356,7 +356,7 @@ def print_results(name, result, args, nparams, layers, width, tokens, load0, loa
         rrows.append([k, f"{v:.2f}x", f"{t[0]} {t[1]}x" if t else "", ok])
     print_table(f"bench {name}: ratios (same run)", ["ratio", "value", "target", ""], rrows)
     kinds = sorted({k.split("_", 2)[2] for b in by.values() for k in b if k.startswith("disk_read_")})
-    if kinds:  # the optimizer's own count of disk bytes by kind ([Note: disk bytes by kind], zero/disk_bytes.py)
+    if kinds:  # the optimizer's own count of the disk's bytes by kind (OptimizerStats.disk_read / disk_written)
         krows = [[LABELS[c], *(f"{b.get(f'disk_read_{k}', 0) / nparams:.2f} | "
                                f"{b.get(f'disk_written_{k}', 0) / nparams:.2f}" for k in kinds)]
                  for c, b in by.items() if any(f"disk_read_{k}" in b for k in kinds)]
