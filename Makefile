@@ -12,7 +12,7 @@ BENCH_DIR  ?= bench-data
 SCALE_MAX  ?= 1.1e9
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-big check test soak bench install clean
+.PHONY: demo demo-big check test soak bench bench-refs bench-micro install clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard native/*.c native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,16 +52,56 @@ test: $(STAMP)
 soak: $(STAMP)
 	TIERSTORE_SOAK=1 $(PY) -m pytest -q -o timeout=0 -rsx tests/reliability
 
-# Long measurements against references measured in the same run (fio, DeepSpeed aio, torch); see bench/README.md.
-# fio, the reference of `bench io`, is installed where this runs as root with apt; elsewhere the exact command is
-# printed and bench io runs without its fio columns (saying so).
-bench: $(STAMP)
+# Long measurements against references measured in the same run (fio, DeepSpeed, torch); see bench/README.md.
+# `make bench` installs what it can of those references itself (bench-refs) and says how to get the rest.
+BENCH_STAMP := $(VENV)/.bench-installed
+DS_VENV  ?= .venv-ds
+DS_SPEC  ?= deepspeed==0.19.8
+DS_STAMP := $(DS_VENV)/.installed
+BENCH_FAIL ?=
+MICRO := bench/results/micro
+
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install -q -e ".[test,plot,bench]"
+	touch $(BENCH_STAMP)
+
+# DeepSpeed in its own venv (its pins must not move the project's), with torch's CPU build; its CPU Adam op is
+# compiled here so no benchmark times a compiler. Its aio op (ZeRO-Infinity, `bench io`'s reference) builds
+# only where libaio's headers are installed; without them this says which command installs them.
+$(DS_STAMP):
+	test -x $(DS_VENV)/bin/python || $(PYTHON) -m venv $(DS_VENV)
+	$(DS_VENV)/bin/pip install -q --upgrade pip setuptools wheel
+	$(DS_VENV)/bin/pip install -q "$(TORCH_SPEC)" "$(DS_SPEC)"
+	DS_ACCELERATOR=cpu $(DS_VENV)/bin/python -c "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder as B; B().load()"
+	touch $(DS_STAMP)
+
+$(DS_VENV): $(DS_STAMP)
+
+bench-refs:
+	@$(MAKE) --no-print-directory $(DS_STAMP) || echo "note: DeepSpeed could not be installed; the DeepSpeed rows of 	bench optim / bench io are skipped. To install by hand: python3 -m venv $(DS_VENV) && $(DS_VENV)/bin/pip install 	'$(TORCH_SPEC)' '$(DS_SPEC)'"
+	-@test ! -x $(DS_VENV)/bin/python || DS_ACCELERATOR=cpu $(DS_VENV)/bin/python -c "from deepspeed.ops.op_builder.cpu \
+	import AsyncIOBuilder as B; b = B(); ok = b.is_compatible(verbose=False); b.load() if ok else print('note: \
+	DeepSpeed aio (ZeRO-Infinity and bench io reference) needs libaio headers: apt-get install libaio-dev \
+	(Fedora/RHEL: dnf install libaio-devel), then make bench again')" 2>&1 | grep -v '^\[' || true
 	-@command -v fio >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get install -y -q --no-install-recommends fio >/dev/null 2>&1 || \
 		  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends fio >/dev/null 2>&1; }; }; } || \
-		echo "note: fio is not installed; install it with: sudo apt-get install -y fio (Fedora: sudo dnf install -y fio)"
+		echo "note: fio not installed (Debian: apt-get install fio); its rows of bench io are skipped"
+
+bench: $(BENCH_STAMP) bench-refs
 	$(VENV)/bin/tierstore bench io --dir $(BENCH_DIR) --json bench/results/io.json
+	$(VENV)/bin/tierstore bench optim --dir $(BENCH_DIR) --json bench/results/optim.json
+	$(VENV)/bin/tierstore bench train --dir $(BENCH_DIR) --json bench/results/train.json
 	$(VENV)/bin/tierstore bench scale --dir $(BENCH_DIR) --max-params $(SCALE_MAX) --json bench/results/scale.json
+	$(MAKE) --no-print-directory bench-micro
+
+# Microbenchmarks (bench/test_micro.py, pytest-benchmark): each run is saved under bench/results/micro and compared
+# with the latest saved run of this machine; BENCH_FAIL=mean:25% also fails on such a regression.
+bench-micro: $(BENCH_STAMP)
+	mkdir -p $(BENCH_DIR)
+	$(PY) -m pytest -q -p no:cacheprovider bench/test_micro.py --basetemp=$(BENCH_DIR)/micro \
+		--benchmark-storage=$(MICRO) --benchmark-autosave --benchmark-compare \
+		$(if $(BENCH_FAIL),--benchmark-compare-fail=$(BENCH_FAIL))
 
 clean:
-	rm -rf $(VENV) build *.egg-info tierstore/*.so $(DEMO_DIR) $(BENCH_DIR)
+	rm -rf $(VENV) $(DS_VENV) build *.egg-info tierstore/*.so $(DEMO_DIR) $(BENCH_DIR)

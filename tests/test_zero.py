@@ -638,28 +638,6 @@ def test_one_buffer_pinned_budget_does_not_hang(tmp_path):
     opt.close()
 
 
-def test_bench_optim_runs_small(tmp_path):
-    import json
-
-    from tierstore.cli import main
-    rc = main(["bench", "optim", "--params", "400000", "--tensors", "4", "--sub-group", "256K", "--pinned", "8M",
-               "--rounds", "1", "--dir", str(tmp_path), "--json", str(tmp_path / "r.json"), "--width", "256"])
-    assert rc == 0
-    r = json.loads((tmp_path / "r.json").read_text())
-    import shutil
-    fio = {"fio_read", "fio_write", "fio_readwrite"} if shutil.which("fio") else set()
-    assert set(r["median_s"]) == {"ref", "host", "nvme", "nvme8", "compute", "read", "write", "readwrite"} | fio
-    assert r["subgroups"] >= 3 and all(v > 0 for v in r["median_s"].values())
-    # disk bytes per parameter per step, (read, written): the fp32 master and two fp32 states, 8-bit states
-    per = r["disk_bytes_per_param_step"]
-    assert per["nvme"]["master"] == [pytest.approx(4, rel=0.05)] * 2
-    assert per["nvme"]["states"] == [pytest.approx(8, rel=0.05)] * 2
-    assert 1.5 < per["nvme8"]["states"][0] < 2.5 and per["nvme"]["grads"] == [0, 0]  # gradients on host
-    assert set(r["full_step"]["full_s"]) == {"full_ref", "full_host", "full_nvme", "full_overlap"}
-    # the benchmark removed its files; it leaves its figures and (with matplotlib) their picture
-    assert {p.name for p in tmp_path.iterdir()} <= {"r.json", "r.png"} and (tmp_path / "r.json").exists()
-
-
 def test_external_parameter_used_by_another_module(tmp_path):
     from tierstore.zero import register_external_parameter
 

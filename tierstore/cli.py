@@ -16,7 +16,9 @@ BENCHMARKS = {
           "paths (plain tensor, put, get) vs fio and DeepSpeed aio",
     "store": "Store put+flush/get of many small and a few large tensors vs the raw engine and torch.save/load",
     "partition": "layout of GPT-2/7B shapes: I/O requests per rank, their size, padding vs one file per parameter",
-    "optim": "Zero3Optimizer step on host / NVMe / NVMe+8-bit vs fused torch AdamW, the raw disk and the compute",
+    "optim": "training steps of a Linear stack: torch AdamW in memory vs host / NVMe / NVMe+8-bit tiers vs DeepSpeed "
+             "ZeRO-3 (Offload, Infinity), the raw engine on the same bytes, peak RSS",
+    "train": "tokens/s of a GPT: torch AdamW in memory vs host / NVMe / NVMe+8-bit tiers, the raw engine, peak RSS",
     "hpz": "bytes of ZeRO-3's all-gathers inside and across simulated nodes per step, without and with hpZ / qwZ",
     "activations": "a GPT step with long sequences: peak RSS and time, torch plain / checkpointed vs activation "
                    "offload to host / NVMe",

@@ -1,0 +1,127 @@
+"""`tierstore bench optim` / `bench train` at a tiny size end to end (each case in its own process, the raw engine on
+the nvme step's bytes), and the DeepSpeed harness's config builder without DeepSpeed: so the benchmarks of
+issue 12 keep working. The measurements themselves are `tierstore bench ...` runs, not tests (bench/README.md)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tierstore.bench import _ds_case, steps
+from tierstore.cli import main
+
+TINY = ["--rounds", "2", "--warmup", "1", "--sub-group", "256K", "--pinned", "4M", "--threads", "1"]
+
+
+@pytest.mark.slow  # a process per case: ~5 s each on a quiet machine
+def test_bench_optim_tiny_runs_every_tierstore_case(tmp_path, capsys):
+    out = tmp_path / "optim.json"
+    rc = main(["bench", "optim", "--params", "1.5e5", "--width", "128", "--batch", "4",
+               "--cases", "torch-fused,host,nvme,nvme8,nvme-overlap", "--dir", str(tmp_path / "d"),
+               "--json", str(out), *TINY])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["layers"] == 9 and r["parameters"] == 9 * (128 * 128 + 128)
+    assert set(r["median"]) == {"torch-fused", "host", "nvme", "nvme8", "nvme-overlap", "raw-read", "raw-write",
+                                "raw-both"}
+    for c in ("torch-fused", "host", "nvme", "nvme8", "nvme-overlap"):
+        m = r["median"][c]
+        assert 0 < m["fwd_bwd"] < m["full"] and 0 < m["step"] < m["full"]
+        assert len(r["samples"][c]) == 2  # one timed step per round
+        assert r["peak_rss"][c] > 50 << 20  # its own process: torch alone is more than that
+    nvme = r["bytes_per_step"]["nvme"]
+    # an nvme step reads at least the fp32 master + two states and writes them back (12 bytes per parameter)
+    assert nvme["nvme_read"] >= 12 * r["parameters"] and nvme["nvme_written"] >= 12 * r["parameters"]
+    assert r["bytes_per_step"]["nvme8"]["nvme_written"] < nvme["nvme_written"]  # 8-bit states: fewer bytes
+    assert r["bytes_per_step"]["host"]["nvme_read"] == 0
+    # by kind (OptimizerStats.disk_read / disk_written): the fp32 master is read and written once per step
+    assert nvme["disk_written_master"] == pytest.approx(4 * r["parameters"], rel=0.05)
+    # the overlapped step takes each gradient partition from backward: no gradient byte touches the disk
+    assert nvme["disk_written_grads"] > 0 and r["bytes_per_step"]["nvme-overlap"]["disk_written_grads"] == 0
+    for k in ("host/torch-fused full", "nvme8 speedup over nvme, full",
+              "nvme full / max(torch-fused full, raw read+write at once)"):
+        assert r["ratios"][k] > 0
+    assert len(r["load_average"]) == 2
+    text = capsys.readouterr().out
+    assert "load average" in text and "raw engine: read + write at once" in text
+    assert not any((tmp_path / "d").iterdir())  # the benchmark removed its files
+
+
+@pytest.mark.slow
+def test_bench_train_tiny_reports_tokens_per_second(tmp_path):
+    out = tmp_path / "train.json"
+    rc = main(["bench", "train", "--params", "2e5", "--context", "32", "--batch", "2", "--cases",
+               "torch-fused,nvme", "--no-raw", "--dir", str(tmp_path / "d"), "--json", str(out), *TINY])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["tokens_per_step"] == 64 and set(r["median"]) == {"torch-fused", "nvme"}
+    assert r["ratios"]["nvme/torch-fused tokens/s"] == pytest.approx(
+        r["median"]["torch-fused"]["full"] / r["median"]["nvme"]["full"])
+    # the same model on the same batches: both start from the same loss
+    first = {c: r["ready"][c]["last"]["loss"] for c in ("torch-fused", "nvme")}
+    assert first["nvme"] == pytest.approx(first["torch-fused"], rel=1e-5)
+
+
+def test_bench_optim_names_the_deepspeed_install_when_absent(tmp_path, capsys):
+    rc = main(["bench", "optim", "--params", "2e4", "--width", "64", "--cases", "ds-offload",
+               "--deepspeed-python", str(tmp_path / "no-venv" / "python"), "--dir", str(tmp_path), *TINY])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "skipped ds-offload" in text and "pip install torch==2.13.0 deepspeed==0.19.8" in text
+
+
+def test_bench_optim_refuses_an_unknown_case(tmp_path):
+    with pytest.raises(SystemExit, match="unknown case"):
+        main(["bench", "optim", "--cases", "torch-fused,zero9", "--dir", str(tmp_path)])
+
+
+SPEC = {"sub_group_bytes": 64 << 20, "batch": 16, "lr": 1e-3, "dir": "/nvme/run"}
+
+
+def test_ds_config_zero_offload():
+    cfg = _ds_case.ds_config("ds-offload", SPEC, layers=32, largest_param=1 << 20)
+    z = cfg["zero_optimization"]
+    assert z["stage"] == 3 and z["offload_optimizer"]["device"] == "cpu" and "offload_param" not in z
+    assert z["sub_group_size"] == (64 << 20) // 4  # the tierstore cases' sub-group, in fp32 elements
+    assert cfg["optimizer"]["type"] == "AdamW" and cfg["train_micro_batch_size_per_gpu"] == 16
+    assert "bf16" not in cfg and "fp16" not in cfg  # fp32, as the tierstore and torch cases
+    assert "aio" not in cfg
+
+
+def test_ds_config_zero_infinity_has_the_buffers_its_nvme_path_needs():
+    cfg = _ds_case.ds_config("ds-infinity", SPEC, layers=32, largest_param=(1 << 20) + 5)
+    z = cfg["zero_optimization"]
+    assert z["offload_optimizer"]["device"] == "nvme" and z["offload_param"]["device"] == "nvme"
+    assert z["offload_optimizer"]["nvme_path"] == z["offload_param"]["nvme_path"] == "/nvme/run/ds-infinity"
+    assert z["offload_optimizer"]["buffer_count"] >= 8  # DeepSpeed issue #3062
+    assert z["offload_param"]["buffer_count"] >= 32 + 2
+    assert z["offload_param"]["buffer_size"] >= (1 << 20) + 5  # holds the largest parameter
+    assert z["offload_param"]["buffer_size"] % (1 << 18) == 0  # whole MiB of fp32
+    assert cfg["aio"]["block_size"] == 1 << 20
+
+
+def test_ds_config_refuses_bad_input():
+    with pytest.raises(ValueError, match="ds-offload"):
+        _ds_case.ds_config("zero-9", SPEC, layers=4, largest_param=10)
+    with pytest.raises(ValueError, match="layers"):
+        _ds_case.ds_config("ds-infinity", SPEC, layers=0, largest_param=10)
+
+
+def test_deepspeed_python_names_the_install_command(tmp_path):
+    py, why = steps.deepspeed_python(str(tmp_path / "absent" / "python"))
+    assert py is None and steps.DS_INSTALL in why
+
+
+def test_tier_bytes_takes_the_optimizers_count_by_kind_where_there_is_one():
+    from types import SimpleNamespace
+
+    from tierstore.bench._case import tier_bytes
+
+    store = SimpleNamespace(stats=lambda: {"host": {"bytes_out": 1, "bytes_in": 2},
+                                           "nvme": {"bytes_out": 30, "bytes_in": 40}})
+    plain = SimpleNamespace(store=store)  # an optimizer without per-kind counts: store totals only
+    assert tier_bytes(plain) == {"host_read": 1, "host_written": 2, "nvme_read": 30, "nvme_written": 40}
+    counted = SimpleNamespace(store=store, stats=lambda: SimpleNamespace(
+        disk_read={"master": 10, "states": 20}, disk_written={"master": 11, "states": 22}))
+    b = tier_bytes(counted)
+    assert b["disk_read_master"] == 10 and b["disk_written_states"] == 22 and b["nvme_read"] == 30

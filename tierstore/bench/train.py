@@ -1,0 +1,20 @@
+"""`tierstore bench train`: tokens per second of the demo's GPT family (gpt.py) on byte tokens of the Python
+standard library's sources, torch AdamW in memory (fused and foreach) against tierstore's host, nvme and
+nvme + dynamic8 tiers (and DeepSpeed ZeRO-3 where ./.venv-ds has it), each case in its own process, alternated
+A B A B, with the raw engine moving the nvme step's bytes in the same rounds (steps.py).
+
+Issue 12's targets it prints: tokens/s >= 0.95x torch's on the host tier, >= 0.85x on nvme.
+"""
+from __future__ import annotations
+
+import argparse
+
+from . import steps
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    steps.add_arguments(p, "gpt")
+
+
+def run(args) -> int:
+    return steps.run(args, "gpt", "train")
