@@ -106,7 +106,9 @@ def timed_step(run_loss, backward, step) -> dict:
     return {"fwd_bwd": t1 - t0, "step": t2 - t1, "full": t2 - t0, "loss": float(loss.detach())}
 
 
-def vm(field: str) -> int:  # bytes
+def proc_status(field: str) -> int:  # bytes
+    """A size from /proc/self/status (Linux), e.g. VmRSS (resident now) or VmHWM (the most resident so far).
+    Here (stdlib only) so the DeepSpeed worker has it too; the rest of tierstore.bench takes it from _common."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -133,8 +135,8 @@ def serve(one_step, warmup: int, final=None, ready_info: dict | None = None) -> 
             say(one_step())
         elif cmd == "done":
             out = dict(final() if final else {})
-            out["peak_rss"] = vm("VmHWM")
-            out["rss"] = vm("VmRSS")
+            out["peak_rss"] = proc_status("VmHWM")
+            out["rss"] = proc_status("VmRSS")
             say(out)
             return 0
         else:

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import TierstoreValueError
 from . import _dist
-from .config import OffloadConfig, convert, map_deepspeed
+from .config import OffloadConfig, convert, map_deepspeed, section
 
 # DeepSpeed optimizer "type" (lower case) -> the torch class (None: decided by adam_w_mode)
 OPTIMIZERS: dict[str, type | None] = {
@@ -313,17 +313,13 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, lr: floa
     cls: type | None = None
     kwargs: dict[str, Any] = {}
     if rest.get("optimizer") is not None:
-        sec = rest.pop("optimizer")
-        if not isinstance(sec, Mapping):
-            raise TierstoreValueError(f"DeepSpeed config: optimizer must be an object; got {sec!r}")
-        cls, kwargs = _optimizer(dict(sec), args, ignored)
+        cls, kwargs = _optimizer(section(rest, "optimizer"), args, ignored)
+        del rest["optimizer"]
     sched: str | None = None
     sparams: dict[str, Any] = {}
     if rest.get("scheduler") is not None:
-        sec = rest.pop("scheduler")
-        if not isinstance(sec, Mapping):
-            raise TierstoreValueError(f"DeepSpeed config: scheduler must be an object; got {sec!r}")
-        sched, sparams = _scheduler(dict(sec), args, ignored)
+        sched, sparams = _scheduler(section(rest, "scheduler"), args, ignored)
+        del rest["scheduler"]
     batch = _batch(rest, args)
     if ignored:
         warnings.warn("tierstore.zero.from_deepspeed ignored: " + ", ".join(ignored), stacklevel=2)
