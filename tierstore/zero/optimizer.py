@@ -41,6 +41,7 @@ from . import _dist, keys
 from ._layout import Layout
 from .config import OffloadConfig
 from .hooks import ParamCoordinator
+from .module_state import ModuleState
 from .skipped import SkippedParams
 from .state8 import EightBitStates, fused8_capable
 from .stepper import BufferPool, SubgroupStepper
@@ -235,6 +236,9 @@ class Zero3Optimizer(torch.optim.Optimizer):
             group=process_group, quantized_weights=config.quantized_weights and self.world_size > 1,
             quantized_gradients=config.quantized_gradients and self.world_size > 1,
             intra_node_size=config.intra_node_size, prefetch_depth=config.prefetch_depth)
+        # [Note: a partitioned model's state dict] in module_state.py: model.state_dict() / load_state_dict()
+        self.module_state = ModuleState(model, self.layout, self._params, self.coordinator, self._fetch_param_shard,
+                                        self._read_master, self._write_master, device=self.device, group=process_group)
         for gid in range(len(self.layout.subgroups)):
             self.coordinator.release(gid)
         for _name, p in self._params.items():
@@ -375,6 +379,21 @@ class Zero3Optimizer(torch.optim.Optimizer):
             return self.store.get(keys.master(gid))
         return self.store.get(keys.param(gid))
 
+    def _read_master(self, gid: int) -> torch.Tensor:
+        """This rank's shard of sub-group `gid` in fp32 (a copy): the master, or a frozen sub-group's shard."""
+        if self.layout.group_of(gid).trainable:
+            return self.store.get(keys.master(gid))
+        return self.store.get(keys.param(gid)).to(torch.float32)
+
+    def _write_master(self, gid: int, master: torch.Tensor) -> None:
+        """Replace this rank's shard of sub-group `gid` (fp32 values): master and compute-dtype shard."""
+        cfg = self.config
+        trainable = self.layout.group_of(gid).trainable
+        if trainable:
+            self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
+        if not (trainable and self._shared_master):
+            self.store.put(keys.param(gid), master.to(cfg.compute_dtype), tier=cfg.params)
+
     def _accumulate_grad(self, gid: int, shard: torch.Tensor) -> None:
         name = keys.grad(gid)
         if gid in self._grad_stats and name in self.store:
@@ -469,8 +488,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """name -> full parameter value (compute dtype, a copy), every name of model.named_parameters()
         including tied aliases, plus the model's buffers. Collective."""
-        with self.gathered():
-            vals = {n: p.detach().clone() for n, p in self._params.items()}
+        vals = self.module_state.gather_values(list(self._params))  # one bucket alive at a time; CPU tensors
         out = {alias: vals[canon] for alias, canon in self._aliases.items()}
         for n, b in self.model.named_buffers():
             out[n] = b.detach().clone()
@@ -587,6 +605,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if getattr(self, "store", None) is None:
             return
         self.coordinator.remove()
+        self.module_state.remove()
         self._stepper.close()
         self.store.close(flush=False)
         self.store = None  # type: ignore[assignment]  # None marks it closed; a Store for as long as it is open
