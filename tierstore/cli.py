@@ -16,6 +16,7 @@ BENCHMARKS = {
     "store": "Store put+flush/get of many small and a few large tensors vs the raw engine and torch.save/load",
     "partition": "layout of GPT-2/7B shapes: I/O requests per rank, their size, padding vs one file per parameter",
     "optim": "Zero3Optimizer step on host / NVMe / NVMe+8-bit vs fused torch AdamW, the raw disk and the compute",
+    "quality": "eval-loss gap to fp32 AdamW of tierstore's 8-bit states (fused, unfused), bitsandbytes and torchao",
     "scale": "one GPT family from 64M to 1B parameters on NVMe: peak RSS, bytes on disk, step time per parameter",
 }
 
