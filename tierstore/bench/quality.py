@@ -75,7 +75,7 @@ def _train(name: str, lr: float, args, data, root: str) -> dict:
     train, evals = data
     zopt = None
     if name == FP32:
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     elif name in (TS_FUSED, TS_UNFUSED):
         cls = torch.optim.AdamW
         if name == TS_UNFUSED:
