@@ -206,7 +206,7 @@ def test_state_dict_at_world_2_is_the_same_full_dict_on_every_rank(tmp_path, tie
 
 
 def test_gpt2_save_pretrained_from_pretrained(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     conf = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
     torch.manual_seed(0)
     z_m = transformers.GPT2LMHeadModel(conf)
@@ -224,3 +224,27 @@ def test_gpt2_save_pretrained_from_pretrained(tmp_path):
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert all(v.numel() > 0 for v in got.values())
+
+
+def test_state_dict_holds_one_gathered_bucket_at_a_time(tmp_path, monkeypatch):
+    import weakref
+
+    from tierstore.zero import module_state
+    _, z_m = make_pair()
+    opt = Zero3Optimizer(z_m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path, "host", "host", "host"))
+    alive_at_call = []
+    refs: list = []
+    real = module_state._dist.all_gather
+
+    def spy(shard, out, group=None, **kw):
+        alive_at_call.append(sum(r() is not None for r in refs))  # earlier gathered buckets still alive
+        refs.append(weakref.ref(out))
+        return real(shard, out, group, **kw)
+    monkeypatch.setattr(module_state._dist, "all_gather", spy)  # observing the gathers, not changing them
+    try:
+        sd = z_m.state_dict()
+        assert len(refs) == len(opt.layout.subgroups) > 2  # every bucket gathered once
+        assert alive_at_call == [0] * len(refs)  # none of the earlier buckets alive at the next gather
+        assert all(r() is None for r in refs) and all(v.numel() > 0 for v in sd.values())
+    finally:
+        opt.close()

@@ -87,7 +87,7 @@ class ModuleState:
         """m's own managed parameters by local name."""
         return {n: p for n, p in m._parameters.items() if p is not None and id(p) in self._name_of}
 
-    def _check_idle(self, what: str) -> None:
+    def check_idle(self, what: str) -> None:
         c = self.coordinator
         if c.phase is not Phase.IDLE or c.stats().in_forward:
             raise MisuseError(
@@ -125,7 +125,7 @@ class ModuleState:
         if self._saving is not None and prefix:  # a submodule of the state_dict call in progress
             return
         self._saving = None
-        self._check_idle("state_dict()")
+        self.check_idle("state_dict()")
         seen: dict[int, torch.nn.Parameter] = {}
         for p in module.parameters():
             if id(p) in self._name_of:
@@ -165,7 +165,7 @@ class ModuleState:
         every bucket they touch: master and compute-dtype shard; held buckets too. No collective."""
         if not values:
             return
-        self._check_idle("load_state_dict()")
+        self.check_idle("load_state_dict()")
         lay = self.layout
         coord = self.coordinator
         coord.prefetcher.drop()  # shards read ahead are the old values

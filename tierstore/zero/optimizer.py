@@ -37,7 +37,7 @@ import torch
 from ..errors import MisuseError, TierstoreValueError
 from ..store import Store
 from ..tiers import tier_info
-from . import _dist, keys
+from . import _dist, clip, keys
 from ._layout import Layout
 from .config import OffloadConfig
 from .hooks import ParamCoordinator
@@ -157,6 +157,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         shapes = {}
         for name, p in self._params.items():
             handle = getattr(p, "_tierstore_init", None)
+            if handle is not None:
+                handle.unwrap(p)  # a plain Parameter again: the optimizer takes it ([Note: when a module is offloaded])
             shape = tuple(handle.shape) if handle is not None else tuple(p.shape)
             if not (p.dtype.is_floating_point or handle is not None):
                 raise TierstoreValueError(f"parameter {name!r} has dtype {p.dtype}; ZeRO-3 manages floating-point "
@@ -231,6 +233,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
                                         self._templates, self._states8, self._skipped, buffers,
                                         shared_master=self._shared_master, fused8=fused8, device=self.device)
         self.steps = 0
+        clip.register(self)  # [Note: clipping through torch's functions]
         self.coordinator = ParamCoordinator(
             model, self.layout, self._params, self._fetch_param_shard, self._accumulate_grad, device=self.device,
             group=process_group, quantized_weights=config.quantized_weights and self.world_size > 1,
@@ -395,6 +398,10 @@ class Zero3Optimizer(torch.optim.Optimizer):
             self.store.put(keys.param(gid), master.to(cfg.compute_dtype), tier=cfg.params)
 
     def _accumulate_grad(self, gid: int, shard: torch.Tensor) -> None:
+        if self._clip_coef != 1.0:  # [Note: clipping through torch's functions] in clip.py
+            raise MisuseError("a gradient arrived after the gradients were clipped (clip_grad_norm_) and before "
+                              "step(): the clip is applied inside the step, to every gradient, so it would scale "
+                              "this one too. Clip once, after the last backward before step()")
         name = keys.grad(gid)
         if gid in self._grad_stats and name in self.store:
             shard = self.store.get(name).add_(shard)
@@ -428,17 +435,55 @@ class Zero3Optimizer(torch.optim.Optimizer):
         _dist.all_reduce_sum(t, self.group)
         return float(t[0]), bool(t[1] > 0)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the gradients (all ranks, all sub-groups) to global L2 norm `max_norm` at the next step();
-        returns the total norm before clipping (unscaled), like torch.nn.utils.clip_grad_norm_."""
-        if norm_type != 2.0:
+        returns the total norm before clipping (unscaled; a clip already pending counted), like
+        torch.nn.utils.clip_grad_norm_ -- which routes here for this optimizer's parameters ([Note: clipping
+        through torch's functions] in clip.py). Call it after the last backward before step(). Collective."""
+        if float(norm_type) != 2.0:
             raise TierstoreValueError(f"norm_type={norm_type}: only the L2 norm (2.0) is supported")
         sq, overflow = self._global_grad_stats()
-        total = math.sqrt(sq) / self._scaler.scale
+        total = math.sqrt(sq) / self._scaler.scale * self._clip_coef
         if overflow:
             total = float("inf")
-        self._clip_coef = min(1.0, max_norm / (total + 1e-6)) if math.isfinite(total) else 1.0
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                               f"non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+                               f"by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        if math.isfinite(total):
+            self._clip_coef *= min(1.0, max_norm / (total + 1e-6))
         return torch.tensor(total)
+
+    def clip_grads_with_norm_(self, max_norm: float, total_norm) -> None:
+        """Scale the gradients by min(1, max_norm / (total_norm + 1e-6)) at the next step() (what
+        torch.nn.utils.clip_grads_with_norm_ does, routed here for this optimizer's parameters)."""
+        total = float(total_norm)
+        if math.isfinite(total):
+            self._clip_coef *= min(1.0, max_norm / (total + 1e-6))
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element of this rank's partitions to [-clip_value, clip_value] now (exact: the
+        partition holds the reduced gradient; the fp16 loss scale and a pending norm clip are accounted for).
+        torch.nn.utils.clip_grad_value_ routes here for this optimizer's parameters."""
+        bound = float(clip_value) * self._scaler.scale / self._clip_coef
+        for gid in sorted(self._grad_stats):
+            name = keys.grad(gid)
+            if name not in self.store:
+                continue
+            g = self.store.get(name).clamp_(-bound, bound)
+            self.store.put(name, g, tier=self.config.gradients)
+            sq = float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
+            self._grad_stats[gid] = (sq, math.isfinite(sq))
+
+    def managed_param_ids(self) -> frozenset[int]:
+        """id() of every parameter this optimizer partitions (tied ones once; frozen ones included)."""
+        return frozenset(id(p) for p in self._params.values())
+
+    def trainable_param_ids(self) -> frozenset[int]:
+        """id() of every trainable parameter this optimizer partitions."""
+        return frozenset(id(p) for p in self._params.values() if p.requires_grad)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -476,18 +521,52 @@ class Zero3Optimizer(torch.optim.Optimizer):
 
     # -- full parameters ---------------------------------------------------------------------------------
     @contextmanager
-    def gathered(self):
-        """`with opt.gathered():` every parameter of the model holds its full value (collective: every
-        rank enters). Changes made inside are not written back; use for evaluation or export."""
-        self.coordinator.gather(range(len(self.layout.subgroups)))
+    def gathered(self, params=None, *, modifier_rank: int | None = None):
+        """`with opt.gathered():` every parameter of the model (or those in `params`) holds its full value
+        (collective: every rank enters, with the same parameters). modifier_rank=r: on exit rank r's values
+        are broadcast and written into every rank's shards and fp32 masters, so changes made inside are kept;
+        None (default): changes are dropped (evaluation, export). See [Note: gathered parameters] in
+        gathered.py."""
+        if params is None:
+            names = list(self._params)
+        else:
+            by_id = {id(p): n for n, p in self._params.items()}
+            given = [params] if isinstance(params, torch.Tensor) else list(params)
+            foreign = [p for p in given if id(p) not in by_id]
+            if foreign:
+                raise TierstoreValueError(f"gathered(params=...): {len(foreign)} of the parameters given are not "
+                                          f"managed by this Zero3Optimizer")
+            names = list(dict.fromkeys(by_id[id(p)] for p in given))
+        self.module_state.check_idle("gathered()")
+        gids = sorted({g for n in names for g in self.layout.param_gids[n]})
+        before = set(self.coordinator.residency.live)
+        self.coordinator.gather(gids)
+        ok = False
         try:
             yield self.model
+            ok = True
         finally:
-            self.coordinator.release_all()
+            try:
+                if ok and modifier_rank is not None:
+                    values = {}
+                    for n in names:
+                        v = self._params[n].data
+                        if self.world_size > 1:
+                            import torch.distributed as dist
+                            src = dist.get_global_rank(self.group, modifier_rank) if self.group is not None \
+                                else modifier_rank
+                            dist.broadcast(v, src=src, group=self.group)
+                        values[n] = v
+                    with torch.no_grad():
+                        self.module_state.load_into_shards(values)
+            finally:
+                for gid in gids:
+                    if gid not in before:
+                        self.coordinator.release(gid)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """name -> full parameter value (compute dtype, a copy), every name of model.named_parameters()
-        including tied aliases, plus the model's buffers. Collective."""
+        """name -> full parameter value (compute dtype, a CPU copy), every name of model.named_parameters()
+        including tied aliases, plus the model's buffers. Collective; one bucket gathered at a time."""
         vals = self.module_state.gather_values(list(self._params))  # one bucket alive at a time; CPU tensors
         out = {alias: vals[canon] for alias, canon in self._aliases.items()}
         for n, b in self.model.named_buffers():
@@ -604,6 +683,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         """Remove the hooks and close the store (its files stay unless they were in a temporary directory)."""
         if getattr(self, "store", None) is None:
             return
+        clip.unregister(self)
         self.coordinator.remove()
         self.module_state.remove()
         self._stepper.close()
