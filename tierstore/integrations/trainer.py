@@ -13,11 +13,12 @@ live in the store, so each of those calls is replaced where Trainer offers a met
 - ``create_optimizer``: a Zero3Optimizer over the model, the optimizer class and hyperparameters Trainer
   would use (AdamW, ``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay`` on the parameters
   ``get_decay_parameter_names`` names, 0 on the rest).
-- ``_clip_grad_norm`` / ``_get_grad_norm``: the optimizer's own global norm (every rank, every sub-group),
-  so ``max_grad_norm`` clips and ``grad_norm`` is logged as torch would compute it.
+- clipping needs nothing: ``torch.nn.utils.clip_grad_norm_`` over a ZeRO-3 model's parameters (which
+  ``accelerator.clip_grad_norm_`` calls) is the optimizer's exact global norm (zero/clip.py), so
+  ``max_grad_norm`` clips and ``grad_norm`` is logged as a plain Trainer logs it.
 - zeroing: a callback zeroes the optimizer's gradient partitions after each optimizer step.
-- ``_save``: ``save_pretrained`` with the gathered full weights (``model.safetensors`` as a plain Trainer
-  writes it; every rank joins the gather, rank 0 writes).
+- saving the model needs nothing: ``model.state_dict()`` of a ZeRO-3 model yields the full weights, gathered
+  bucket by bucket (zero/module_state.py), so ``model.safetensors`` is what a plain Trainer writes.
 - ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: tierstore's own checkpoint
   (``checkpoint-N/tierstore_optimizer/``: every rank's masters and states, atomic, resharded on load) instead
   of ``optimizer.pt``; ``resume_from_checkpoint`` continues exactly.
@@ -133,21 +134,7 @@ class TierstoreTrainer(Trainer):
             raise MisuseError("TierstoreTrainer: no optimizer yet (create_optimizer() or train() builds it)")
         return opt
 
-    # -- clipping and the logged norm --------------------------------------------------------------------------
-    def _clip_grad_norm(self, model):
-        return self._zero3().clip_grad_norm_(self.args.max_grad_norm)
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        if grad_norm is None:
-            grad_norm = self._zero3().clip_grad_norm_(float("inf"))  # the norm, nothing clipped
-        return grad_norm
-
     # -- saving and resuming -----------------------------------------------------------------------------------
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        if state_dict is None and self.optimizer is not None:
-            state_dict = self._zero3().full_state_dict()  # collective: every rank gathers, rank 0 writes
-        super()._save(output_dir, state_dict=state_dict)
-
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self._zero3().save_checkpoint(os.path.join(output_dir, OPTIMIZER_DIR), keep=0)
         if self.args.should_save and self.lr_scheduler is not None:
