@@ -98,6 +98,12 @@ def test_use_outside_a_scope_raises_and_gathered_parameters_keeps_writes(tmp_pat
             m.fc.weight.zero_()  # no scope: would have been a write into an empty tensor
     with pytest.raises(MisuseError, match="Tensor.data"):
         m.fc.weight.data.zero_()
+    # what needs no value works without a scope: metadata, freezing, zero_grad
+    assert len(m.fc.weight) == 16 and m.fc.weight.dim() == 2 and m.fc.weight.size(1) == 8
+    m.emb.weight.requires_grad_(False)
+    m.zero_grad()
+    assert not m.emb.weight.requires_grad and isinstance(m.emb.weight, OffloadedParameter)
+    m.emb.weight.requires_grad_(True)
     with GatheredParameters(m.fc.weight):  # modifier_rank=None: read, changes dropped
         assert torch.equal(m.fc.weight, ref.fc.weight)
         with torch.no_grad():
@@ -213,3 +219,26 @@ def test_init_and_gathered_at_world_2(tmp_path):
         ref.scale.add_(10.0)
     for sd in out:
         assert _equal(sd, ref.state_dict())
+
+
+def test_post_init_holds_one_module_at_a_time(tmp_path, monkeypatch):
+    """GPT-2's post_init re-initialises every parameter after the model was built (and offloaded): the values
+    it brings back are held one module's worth at a time, not the model."""
+    import transformers
+
+    from tierstore.zero import init as zinit
+    held: list[int] = []
+    real = zinit._materialize
+
+    def spy(p, func):
+        real(p, func)
+        held.append(sum(q.numel() for s in zinit._scopes for q, _h in s.touched))  # elements held now
+    monkeypatch.setattr(zinit, "_materialize", spy)  # observing the materialisations, not changing them
+    conf = transformers.GPT2Config(n_layer=4, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
+    torch.manual_seed(0)
+    with Init(cfg(tmp_path, params="host")):
+        m = transformers.GPT2LMHeadModel(conf)
+    total = sum(p.numel() for p in m.parameters())
+    largest = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
+    assert len(held) >= len(list(m.parameters()))  # post_init touched every parameter
+    assert max(held) <= largest + 32 * 3 * 32 < total / 4, (max(held), largest, total)  # + c_proj of a block

@@ -221,6 +221,7 @@ class Init:
         self._inside = False
         self._patched: dict[type, object] = {}
         self._method_patches: list[tuple[type, str, object]] = []  # (owner, attribute, original)
+        self._hf_patched = False  # PreTrainedModel._initialize_weights is patched
         self._registration: Any = None  # the parameter-registration hook's handle while the context is open
         self._orig_init_subclass = None
         self.offloaded = 0  # parameters written to the store
@@ -277,6 +278,7 @@ class Init:
             for owner, attr, fn in self._method_patches:
                 setattr(owner, attr, fn)
             self._method_patches.clear()
+            self._hf_patched = False
             self._registration.remove()
             if self._orig_init_subclass is None:
                 del torch.nn.Module.__init_subclass__
@@ -298,6 +300,8 @@ class Init:
             module.__dict__["_tierstore_init_depth"] = depth + 1
             scope = _Scope(keep=True) if depth == 0 else None  # [Note: initialisation right by construction]
             if scope is not None:
+                if not init._hf_patched:
+                    init._patch_transformers()
                 _scopes.append(scope)
             try:
                 orig(module, *args, **kwargs)
@@ -317,7 +321,6 @@ class Init:
     def _scoped_patches(self) -> None:
         """nn.Module.apply and transformers' PreTrainedModel._initialize_weights: one scope per module they
         initialise ([Note: initialisation right by construction]). Undone in __exit__."""
-        import sys
 
         def apply(module, fn):
             for child in module.children():
@@ -328,16 +331,24 @@ class Init:
         apply.__doc__ = torch.nn.Module.apply.__doc__
         self._method_patches.append((torch.nn.Module, "apply", torch.nn.Module.__dict__["apply"]))
         torch.nn.Module.apply = apply  # type: ignore[method-assign]
+        self._patch_transformers()
+
+    def _patch_transformers(self) -> None:
+        """transformers' PreTrainedModel._initialize_weights, once transformers.modeling_utils is imported (it
+        may be imported lazily, by the first model class used inside the context)."""
+        import sys
         mu = sys.modules.get("transformers.modeling_utils")
         base = getattr(mu, "PreTrainedModel", None)
-        if base is not None and "_initialize_weights" in base.__dict__:
-            orig = base.__dict__["_initialize_weights"]
+        if base is None or self._hf_patched or "_initialize_weights" not in base.__dict__:
+            return
+        orig = base.__dict__["_initialize_weights"]
 
-            def _initialize_weights(model, module, *args, **kwargs):
-                with _Scope(keep=True):
-                    return orig(model, module, *args, **kwargs)
-            self._method_patches.append((base, "_initialize_weights", orig))
-            base._initialize_weights = _initialize_weights
+        def _initialize_weights(model, module, *args, **kwargs):
+            with _Scope(keep=True):
+                return orig(model, module, *args, **kwargs)
+        self._method_patches.append((base, "_initialize_weights", orig))
+        base._initialize_weights = _initialize_weights
+        self._hf_patched = True
 
     def _on_register(self, module: torch.nn.Module, name: str, param):
         """Global parameter-registration hook: a real parameter assigned to a module already built is
@@ -441,13 +452,14 @@ _META = {_T.shape.__get__: lambda h, a, k: h.shape, _T.size: _size,  # type: ign
          _T.dim: lambda h, a, k: len(h.shape), _T.ndimension: lambda h, a, k: len(h.shape),
          _T.ndim.__get__: lambda h, a, k: len(h.shape),  # type: ignore[attr-defined]
          _T.numel: lambda h, a, k: h.numel, _T.nelement: lambda h, a, k: h.numel,
-         _T.dtype.__get__: lambda h, a, k: h.dtype}  # type: ignore[attr-defined]
+         _T.dtype.__get__: lambda h, a, k: h.dtype,  # type: ignore[attr-defined]
+         _T.__len__: lambda h, a, k: h.shape[0]}
 _PASS = {getattr(_T, n).__get__ if isinstance(getattr(_T, n, None), type(_T.device)) else getattr(_T, n)
          for n in ("device", "requires_grad", "is_leaf", "grad", "grad_fn", "layout", "is_meta", "is_cuda",
                    "is_sparse", "is_quantized", "is_floating_point", "is_complex", "element_size", "get_device",
                    "__hash__", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_")
          if hasattr(_T, n)}
-_PASS.add(_T.requires_grad.__set__)  # type: ignore[attr-defined]
+_PASS.update({_T.requires_grad.__set__, _T.grad.__set__, _T.is_contiguous})  # type: ignore[attr-defined,union-attr]
 
 
 def _offloaded_in(obj):

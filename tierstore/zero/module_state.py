@@ -27,7 +27,8 @@ model:
   shared master). No collective: every rank loads the same dict, as with a plain model; each writes its own
   shards. Held buckets (inside a gathered context) are updated too. Like torch, values are written before
   ``strict`` raises about unexpected or missing keys. Optimizer states are untouched (as torch's
-  load_state_dict leaves the optimizer alone).
+  load_state_dict leaves the optimizer alone). ``assign=True`` writes the values the same way: the
+  Parameter objects stay, the hooks and the optimizer hold them.
 """
 from __future__ import annotations
 
