@@ -154,8 +154,9 @@ def run(args) -> int:
     try:
         for lr in lrs:
             for n in names:
-                print(f"  lr {lr:g}: {n} ...", flush=True)
-                results.setdefault(f"{lr:g}", {})[n] = _train(n, lr, args, (train, evals), root)
+                r = results.setdefault(f"{lr:g}", {})[n] = _train(n, lr, args, (train, evals), root)
+                print(f"  lr {lr:g}: {n}: " + (f"eval loss {r['eval_loss']:.4f} ({r['seconds']:.0f} s)" if
+                                                "eval_loss" in r else r["skipped"]), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         torch.set_num_threads(nthreads)
