@@ -22,6 +22,7 @@ BENCHMARKS = {
     "hpz": "bytes of ZeRO-3's all-gathers inside and across simulated nodes per step, without and with hpZ / qwZ",
     "activations": "a GPT step with long sequences: peak RSS and time, torch plain / checkpointed vs activation "
                    "offload to host / NVMe",
+    "quality": "eval-loss gap to fp32 AdamW of tierstore's 8-bit states (fused, unfused), bitsandbytes and torchao",
     "scale": "one GPT family from 64M to 1B parameters on NVMe: peak RSS, bytes on disk, step time per parameter",
 }
 

@@ -1,0 +1,118 @@
+"""TierstoreTrainer (tierstore.integrations.trainer) against transformers' plain Trainer on a tiny GPT-2 built from
+a config: the same losses' gradient norms, clipping, saved weights and resumption. See docs/integrations.md."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="pip install 'tierstore[test]' (transformers==5.23.0)")
+from safetensors.torch import load_file  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from tierstore.errors import TierstoreValueError  # noqa: E402
+from tierstore.integrations.trainer import OPTIMIZER_DIR, TierstoreTrainer  # noqa: E402
+from tierstore.zero import OffloadConfig, Zero3Optimizer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CONFIG = dict(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+              attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+
+def gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(**CONFIG))
+
+
+def dataset(n=32, t=16):
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": x, "labels": x} for x in torch.randint(0, CONFIG["vocab_size"], (n, t), generator=g)]
+
+
+def targs(out, **kw) -> TrainingArguments:
+    base = dict(max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1, save_steps=2,
+                report_to=[], use_cpu=True, optim="adamw_torch", seed=0, disable_tqdm=True, weight_decay=0.01,
+                max_grad_norm=0.0)
+    base.update(kw)
+    return TrainingArguments(str(out), **base)
+
+
+def norms(trainer) -> list[float]:
+    return [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+
+
+def weights(path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_matches_trainer_exactly_and_resumes_exactly(tmp_path):
+    """fp32 states on the nvme tier: every step's logged gradient norm and the saved weights (the final ones and
+    checkpoint-2's) equal a plain Trainer's; resuming from checkpoint-2 ends bit-equal to the uninterrupted run."""
+    ref = Trainer(model=gpt2(), args=targs(tmp_path / "ref"), train_dataset=dataset())
+    ref.train()
+    ref.save_model(str(tmp_path / "ref" / "final"))
+    cfg = OffloadConfig(params="host", optimizer_states="nvme", gradients="nvme", nvme_paths=[str(tmp_path / "nv")])
+    ts = TierstoreTrainer(model=gpt2(), args=targs(tmp_path / "ts"), train_dataset=dataset(), offload_config=cfg)
+    ts.train()
+    assert isinstance(ts.optimizer.optimizer, Zero3Optimizer)
+    ts.save_model(str(tmp_path / "ts" / "final"))
+    assert len(norms(ts)) == 4 and all(n > 0 for n in norms(ts))
+    assert norms(ts) == pytest.approx(norms(ref), rel=1e-6)
+    for sub in ("final", "checkpoint-2", "checkpoint-4"):
+        a, b = weights(tmp_path / "ref" / sub), weights(tmp_path / "ts" / sub)
+        assert sorted(a) == sorted(b)
+        for k in a:
+            assert a[k].shape == b[k].shape and torch.equal(a[k], b[k]), (sub, k)
+    assert (tmp_path / "ts" / "checkpoint-2" / OPTIMIZER_DIR).is_dir()
+    # the saved directory is an ordinary transformers checkpoint
+    back = GPT2LMHeadModel.from_pretrained(str(tmp_path / "ts" / "final"))
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, weights(tmp_path / "ref" / "final")[k.replace("lm_head.weight",
+                                                                              "transformer.wte.weight")]), k
+    # resume: a fresh model and trainer continue from checkpoint-2 exactly
+    cfg2 = cfg.replace(nvme_paths=[str(tmp_path / "nv2")])
+    re = TierstoreTrainer(model=gpt2(), args=targs(tmp_path / "re"), train_dataset=dataset(), offload_config=cfg2)
+    re.train(resume_from_checkpoint=str(tmp_path / "ts" / "checkpoint-2"))
+    assert norms(re) == norms(ts)  # steps 1-2 from the checkpoint's trainer_state.json, 3-4 run again
+    re.save_model(str(tmp_path / "re" / "final"))
+    a, b = weights(tmp_path / "ts" / "final"), weights(tmp_path / "re" / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_max_grad_norm_clips_like_torch(tmp_path):
+    """max_grad_norm well under the gradient norm: the logged norm is torch's and the weights follow the clipped
+    torch run (a clip that did nothing would leave them ~20x further along)."""
+    ref = Trainer(model=gpt2(), args=targs(tmp_path / "ref", max_grad_norm=0.05, max_steps=3, save_steps=10),
+                  train_dataset=dataset())
+    ref.train()
+    ts = TierstoreTrainer(model=gpt2(), args=targs(tmp_path / "ts", max_grad_norm=0.05, max_steps=3, save_steps=10),
+                          train_dataset=dataset())
+    ts.train()
+    assert min(norms(ref)) > 0.5  # the clip is active on every step
+    assert norms(ts) == pytest.approx(norms(ref), rel=1e-6)
+    ref.save_model(str(tmp_path / "a"))
+    ts.save_model(str(tmp_path / "b"))
+    a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
+    init = gpt2().state_dict()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-6), k
+    moved = max(float((a[k] - init[k]).abs().max()) for k in a)
+    assert moved > 1e-4 and math.isfinite(moved)
+
+
+def test_refuses_what_it_cannot_do_right(tmp_path):
+    with pytest.raises(TierstoreValueError, match="compute_dtype=torch.bfloat16"):
+        TierstoreTrainer(model=gpt2(), args=targs(tmp_path / "a", bf16=True), train_dataset=dataset())
+    with pytest.raises(TierstoreValueError, match="optim="):
+        TierstoreTrainer(model=gpt2(), args=targs(tmp_path / "b", optim="adafactor"), train_dataset=dataset())
+    m = gpt2()
+    with pytest.raises(TierstoreValueError, match="Zero3Optimizer"):
+        TierstoreTrainer(model=m, args=targs(tmp_path / "c"), train_dataset=dataset(),
+                         optimizers=(torch.optim.AdamW(m.parameters()), None))
+    # a plain Trainer's checkpoint holds no tierstore optimizer state: said, not silently restarted
+    Trainer(model=gpt2(), args=targs(tmp_path / "p", max_steps=2), train_dataset=dataset()).train()
+    ts = TierstoreTrainer(model=gpt2(), args=targs(tmp_path / "d"), train_dataset=dataset())
+    with pytest.raises(TierstoreValueError, match=OPTIMIZER_DIR):
+        ts.train(resume_from_checkpoint=str(tmp_path / "p" / "checkpoint-2"))

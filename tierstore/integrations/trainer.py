@@ -1,0 +1,157 @@
+"""transformers' Trainer over Zero3Optimizer: ``TierstoreTrainer``, a drop-in for ``Trainer``.
+
+    trainer = TierstoreTrainer(model=model, args=TrainingArguments(...), train_dataset=ds,
+                               offload_config=OffloadConfig(params="host", optimizer_states="nvme", ...))
+    trainer.train(); trainer.save_model("out")        # out/model.safetensors holds the real weights
+
+[Note: what TierstoreTrainer changes in Trainer]
+Trainer (transformers 5.23) drives a plain optimizer through calls that do not know about ZeRO-3: it clips
+with ``accelerator.clip_grad_norm_(model.parameters())`` and logs that norm, zeroes with
+``model.zero_grad()``, saves ``model.state_dict()`` and ``optimizer.state_dict()`` with ``torch.save`` from
+rank 0, and reloads them. Under ZeRO-3 the model's parameters hold no values between uses and the gradients
+live in the store, so each of those calls is replaced where Trainer offers a method to override:
+- ``create_optimizer``: a Zero3Optimizer over the model, the optimizer class and hyperparameters Trainer
+  would use (AdamW, ``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay`` on the parameters
+  ``get_decay_parameter_names`` names, 0 on the rest).
+- clipping needs nothing: ``torch.nn.utils.clip_grad_norm_`` over a ZeRO-3 model's parameters (which
+  ``accelerator.clip_grad_norm_`` calls) is the optimizer's exact global norm (zero/clip.py), so
+  ``max_grad_norm`` clips and ``grad_norm`` is logged as a plain Trainer logs it.
+- zeroing: a callback zeroes the optimizer's gradient partitions after each optimizer step.
+- saving the model needs nothing: ``model.state_dict()`` of a ZeRO-3 model yields the full weights, gathered
+  bucket by bucket (zero/module_state.py), so ``model.safetensors`` is what a plain Trainer writes.
+- ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: tierstore's own checkpoint
+  (``checkpoint-N/tierstore_optimizer/``: every rank's masters and states, atomic, resharded on load) instead
+  of ``optimizer.pt``; ``resume_from_checkpoint`` continues exactly.
+Refused with an error that says what to do: fp16/bf16 autocast flags (``TrainingArguments(fp16/bf16=True)``:
+use ``OffloadConfig(compute_dtype=torch.bfloat16)``), ``compute_dtype=torch.float16`` (its loss scale would
+not reach Trainer's backward), an ``args.optim`` other than AdamW without ``optimizer_class``, and more than
+one process (Trainer would wrap the model in DistributedDataParallel, which all-reduces gradients ZeRO-3
+already reduce-scatters: use the accelerate path or a plain loop under torchrun).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ..errors import MisuseError, TierstoreValueError
+from ..zero import OffloadConfig, Zero3Optimizer
+from ._require import missing
+
+try:
+    from transformers import Trainer, TrainerCallback
+except ImportError as e:
+    raise ImportError(missing("transformers", "transformers", "5.23.0")) from e
+
+OPTIMIZER_DIR = "tierstore_optimizer"  # in checkpoint-N/: tierstore's checkpoint of the optimizer
+SCHEDULER_NAME = "scheduler.pt"  # Trainer's own name for the scheduler's state
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+
+
+class _ZeroGradAfterStep(TrainerCallback):
+    """Trainer zeroes with model.zero_grad(); the gradients of a ZeRO-3 model live in the optimizer's store."""
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        opt = _unwrap(optimizer)
+        if opt is not None:
+            opt.zero_grad()
+        return control
+
+
+def _unwrap(opt) -> Zero3Optimizer | None:
+    """The Zero3Optimizer under accelerate's AcceleratedOptimizer (or None)."""
+    while opt is not None and not isinstance(opt, Zero3Optimizer):
+        opt = getattr(opt, "optimizer", None)
+    return opt
+
+
+class TierstoreTrainer(Trainer):
+    """Trainer whose optimizer is a Zero3Optimizer. See [Note: what TierstoreTrainer changes in Trainer].
+
+    offload_config: where parameters, gradients and optimizer states live (default OffloadConfig()).
+    optimizer_class: the elementwise torch optimizer to wrap (default torch.optim.AdamW, from args).
+    optimizer_kwargs: extra keyword arguments for it (they override those taken from args).
+    Every other argument is Trainer's. ``optimizers=(Zero3Optimizer, scheduler)`` is accepted too.
+    """
+
+    def __init__(self, *args: Any, offload_config: OffloadConfig | None = None, optimizer_class=None,
+                 optimizer_kwargs: dict | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.offload_config = offload_config if offload_config is not None else OffloadConfig()
+        self.zero_optimizer_class = optimizer_class
+        self.zero_optimizer_kwargs = dict(optimizer_kwargs or {})
+        a = self.args
+        if a.fp16 or a.bf16:
+            raise TierstoreValueError("TierstoreTrainer: TrainingArguments(fp16/bf16=True) autocasts around "
+                                      "parameters ZeRO-3 gathers in its own dtype; leave them False and pass "
+                                      "OffloadConfig(compute_dtype=torch.bfloat16) instead")
+        if self.offload_config.compute_dtype == torch.float16:
+            raise TierstoreValueError("TierstoreTrainer: compute_dtype=torch.float16 needs the optimizer's loss "
+                                      "scale on the loss, which Trainer's backward does not apply; use "
+                                      "compute_dtype=torch.bfloat16 (no loss scaling) or a plain loop")
+        if a.world_size > 1:
+            raise TierstoreValueError(
+                f"TierstoreTrainer runs in one process (this is {a.world_size}): Trainer wraps the model in "
+                f"DistributedDataParallel, whose all-reduce would fight ZeRO-3's own reduce-scatter. For "
+                f"several processes use tierstore.integrations.accelerate.prepare or a plain loop under "
+                f"torchrun (examples/torchrun_train.py)")
+        if self.optimizer is not None and not isinstance(self.optimizer, Zero3Optimizer):
+            raise TierstoreValueError(f"TierstoreTrainer(optimizers=({type(self.optimizer).__name__}, ...)): give "
+                                      f"a Zero3Optimizer over this model, or none and let offload_config build it")
+        if optimizer_class is None and a.optim not in ADAMW_OPTIMS:
+            raise TierstoreValueError(f"TierstoreTrainer: TrainingArguments(optim={a.optim!r}) is not an AdamW "
+                                      f"Zero3Optimizer can wrap; use optim='adamw_torch' or pass optimizer_class= "
+                                      f"(an elementwise torch.optim class) and optimizer_kwargs=")
+        self.add_callback(_ZeroGradAfterStep())
+
+    # -- the optimizer ---------------------------------------------------------------------------------------
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            opt_model = self.model if model is None else model
+            if opt_model is None:
+                raise MisuseError("TierstoreTrainer: no model to optimize (pass model= to the constructor)")
+            decay = set(self.get_decay_parameter_names(opt_model))
+            names = [n for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [{"params": [n for n in names if n in decay], "weight_decay": self.args.weight_decay},
+                      {"params": [n for n in names if n not in decay], "weight_decay": 0.0}]
+            kwargs: dict[str, Any] = {}
+            cls = self.zero_optimizer_class
+            if cls is None:
+                cls = torch.optim.AdamW
+                kwargs = {"lr": self.args.learning_rate, "betas": (self.args.adam_beta1, self.args.adam_beta2),
+                          "eps": self.args.adam_epsilon}
+            else:
+                kwargs = {"lr": self.args.learning_rate}
+            kwargs.update(self.zero_optimizer_kwargs)
+            self.optimizer = Zero3Optimizer(opt_model, cls, config=self.offload_config,
+                                            param_groups=[g for g in groups if g["params"]], **kwargs)
+        return self.optimizer
+
+    def _zero3(self) -> Zero3Optimizer:
+        opt = _unwrap(self.optimizer)  # accelerate's AcceleratedOptimizer wraps it in train()
+        if opt is None:
+            raise MisuseError("TierstoreTrainer: no optimizer yet (create_optimizer() or train() builds it)")
+        return opt
+
+    # -- saving and resuming -----------------------------------------------------------------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self._zero3().save_checkpoint(os.path.join(output_dir, OPTIMIZER_DIR), keep=0)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, OPTIMIZER_DIR)
+        if not os.path.isdir(path):
+            raise TierstoreValueError(f"resume_from_checkpoint={checkpoint!r} has no {OPTIMIZER_DIR}/: it was not "
+                                      f"saved by TierstoreTrainer (a plain Trainer's optimizer.pt holds unpartitioned "
+                                      f"states). Resume from a checkpoint TierstoreTrainer wrote, or start fresh")
+        self._zero3().load_checkpoint(path)
+        sched = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(sched):
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+
+__all__ = ["OPTIMIZER_DIR", "TierstoreTrainer"]
