@@ -4,6 +4,7 @@ otherwise."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -14,10 +15,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(tmp_path, *cmd: str) -> str:
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, *cmd, "--dir", str(tmp_path / "data")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r.stdout
+    # its own process group, killed whole on a timeout: torchrun's workers must not outlive a stuck run
+    p = subprocess.Popen([sys.executable, *cmd, "--dir", str(tmp_path / "data")], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"{' '.join(cmd)} ran past 240 s (killed with its workers): {out[-3000:]}{err[-3000:]}")
+    assert p.returncode == 0, out[-3000:] + err[-3000:]
+    return out
 
 
 def test_store_basics(tmp_path):

@@ -150,3 +150,23 @@ def test_torch_clip_grad_norm_at_world_2_is_the_global_norm(tmp_path):
     for norms, full in out:
         assert norms == pytest.approx(want, rel=1e-5)
         assert max_rel(full, ref_m) <= 1e-5
+
+
+@pytest.mark.parametrize("tiers", [("host", "host", "host"), ("nvme", "nvme", "nvme")])
+def test_model_zero_grad_forgets_the_partitions(tmp_path, tiers):
+    """Code that zeroes through the model (transformers' Trainer: model.zero_grad(), never the optimizer's)
+    trains as torch does: the step's gradient does not stay in the partitions for the next backward to add to
+    ([Note: model.zero_grad() forgets the partitions] in optimizer.py)."""
+    ref_m, z_m = make_pair()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    opt = Zero3Optimizer(z_m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path, *tiers))
+    try:
+        for x, y in batches(4):
+            for m, o in ((ref_m, ref), (z_m, opt)):
+                loss_fn(m, x, y).backward()
+                o.step()
+                m.zero_grad()  # the model's, not the optimizer's
+        assert max_rel(z_m.state_dict(), ref_m) == 0
+    finally:
+        opt.close()
+    assert "zero_grad" not in z_m.__dict__  # close() gave the model its own zero_grad back

@@ -1,9 +1,9 @@
 """The worker process of one torch or tierstore case of `bench optim` / `bench train` (see _harness.py and
 [Note: one worker process per case] there): `python -m tierstore.bench._case SPEC_JSON`.
 
-Cases: torch-fused / torch-foreach (torch.optim.AdamW in memory, the reference), host (Zero3Optimizer with
-parameters, gradients, master and states on the host tier), nvme (all of them on the nvme tier), nvme8 (nvme
-with state_codec="dynamic8").
+Cases: torch-fused / torch-foreach (torch.optim.AdamW in memory, the reference), host (Zero3Optimizer over
+AdamW(fused=True), as the reference, with parameters, gradients, master and states on the host tier), nvme (all
+of them on the nvme tier), nvme8 (nvme with state_codec="dynamic8"), nvme-overlap (nvme with overlap_step).
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     cfg = offload_config(case, spec)
     with zero.Init(cfg):
         model = make()
-    zopt = zero.Zero3Optimizer(model, torch.optim.AdamW, config=cfg, lr=spec["lr"])
+    zopt = zero.Zero3Optimizer(model, torch.optim.AdamW, config=cfg, lr=spec["lr"], fused=True)  # as torch-fused
 
     def step_and_zero() -> None:
         zopt.step()

@@ -16,7 +16,8 @@ live in the store, so each of those calls is replaced where Trainer offers a met
 - clipping needs nothing: ``torch.nn.utils.clip_grad_norm_`` over a ZeRO-3 model's parameters (which
   ``accelerator.clip_grad_norm_`` calls) is the optimizer's exact global norm (zero/clip.py), so
   ``max_grad_norm`` clips and ``grad_norm`` is logged as a plain Trainer logs it.
-- zeroing: a callback zeroes the optimizer's gradient partitions after each optimizer step.
+- zeroing needs nothing: a ZeRO-3 model's ``zero_grad()`` also forgets the optimizer's gradient partitions
+  ([Note: model.zero_grad() forgets the partitions] in zero/optimizer.py).
 - saving the model needs nothing: ``model.state_dict()`` of a ZeRO-3 model yields the full weights, gathered
   bucket by bucket (zero/module_state.py), so ``model.safetensors`` is what a plain Trainer writes.
 - ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: tierstore's own checkpoint
@@ -40,23 +41,13 @@ from ..zero import OffloadConfig, Zero3Optimizer
 from ._require import missing
 
 try:
-    from transformers import Trainer, TrainerCallback
+    from transformers import Trainer
 except ImportError as e:
     raise ImportError(missing("transformers", "transformers", "5.23.0")) from e
 
 OPTIMIZER_DIR = "tierstore_optimizer"  # in checkpoint-N/: tierstore's checkpoint of the optimizer
 SCHEDULER_NAME = "scheduler.pt"  # Trainer's own name for the scheduler's state
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
-
-
-class _ZeroGradAfterStep(TrainerCallback):
-    """Trainer zeroes with model.zero_grad(); the gradients of a ZeRO-3 model live in the optimizer's store."""
-
-    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        opt = _unwrap(optimizer)
-        if opt is not None:
-            opt.zero_grad()
-        return control
 
 
 def _unwrap(opt) -> Zero3Optimizer | None:
@@ -103,7 +94,6 @@ class TierstoreTrainer(Trainer):
             raise TierstoreValueError(f"TierstoreTrainer: TrainingArguments(optim={a.optim!r}) is not an AdamW "
                                       f"Zero3Optimizer can wrap; use optim='adamw_torch' or pass optimizer_class= "
                                       f"(an elementwise torch.optim class) and optimizer_kwargs=")
-        self.add_callback(_ZeroGradAfterStep())
 
     # -- the optimizer ---------------------------------------------------------------------------------------
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:

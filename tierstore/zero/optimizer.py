@@ -24,11 +24,13 @@ names (keys.py). checkpoint.py uses the interface of [Note: checkpoint interface
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import shutil
 import tempfile
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -54,6 +56,15 @@ log = logging.getLogger("tierstore.zero")
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Rprop", "ASGD")
 STATE_FORMAT = "tierstore.zero.optimizer/1"
+
+
+def _zero_model_and_partitions(model_zero_grad, opt_ref, set_to_none: bool = True) -> None:
+    """model.zero_grad() of a model under a Zero3Optimizer ([Note: model.zero_grad() forgets the partitions]);
+    the optimizer is held weakly (the model must not keep it, and its store, alive)."""
+    model_zero_grad(set_to_none)
+    opt = opt_ref()
+    if opt is not None and getattr(opt, "store", None) is not None:
+        opt.zero_grad(set_to_none)
 
 
 def _check_elementwise(cls, elementwise_ok: bool) -> None:
@@ -260,6 +271,11 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self.module_state = ModuleState(model, self.layout, self._params, self.coordinator, self._fetch_param_shard,
                                         self._read_master, self._write_master, device=self.device, group=process_group)
         self._grads.before_open = self._check_not_clipped
+        # [Note: model.zero_grad() forgets the partitions] code that zeroes through the model (transformers'
+        # Trainer calls model.zero_grad(), never optimizer.zero_grad()) must not leave this step's gradient in
+        # the partitions, where the next backward would add to it: the model's zero_grad forgets them too.
+        self._model_zero_grad = functools.partial(_zero_model_and_partitions, model.zero_grad, weakref.ref(self))
+        model.zero_grad = self._model_zero_grad  # type: ignore[method-assign]  # an instance attribute
         # [Note: overlapped step]
         self._next_clip: tuple[float, float] | None = None  # clip_mode="previous_norm": (max_norm, norm) of the
         self._prev_clip: tuple[float, float] | None = None  # last clip_grad_norm_; ... of the one before this step
@@ -816,6 +832,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if self.hpz is not None:
             self.hpz.remove()
         clip.unregister(self)
+        if self.model.__dict__.get("zero_grad") is self._model_zero_grad:
+            del self.model.zero_grad  # the class's own again
         self.coordinator.remove()
         self.module_state.remove()
         if self._stream is not None:
