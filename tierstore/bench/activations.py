@@ -41,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     p.add_argument("--prefetch", default="1M", help="bytes ActivationOffload reads ahead (1M)")
     p.add_argument("--write-behind", default="1M", help="bytes ActivationOffload lets wait for their write (1M)")
+    p.add_argument("--min-bytes", default="64K", help="saved tensors smaller than this stay in memory (64K)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: on a shared machine more "
                    "threads wait for each other)")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per process")
@@ -64,7 +65,8 @@ def run(args) -> int:
                 cmd = [sys.executable, "-m", "tierstore", "bench", "activations", "--one", c, "--dir", root,
                        "--json", out, "--context", str(args.context), "--batch", str(args.batch), "--width",
                        str(args.width), "--layers", str(args.layers), "--steps", str(args.steps), "--prefetch",
-                       args.prefetch, "--write-behind", args.write_behind, "--threads", str(args.threads)]
+                       args.prefetch, "--write-behind", args.write_behind, "--min-bytes", args.min_bytes,
+                       "--threads", str(args.threads)]
                 print(f"bench activations: round {r + 1}/{args.rounds}, {c} ...", flush=True)
                 subprocess.run(cmd, check=True, timeout=args.timeout)
                 with open(out) as f:
@@ -198,7 +200,7 @@ def _one(args) -> int:
                                 paths=[os.path.join(args.dir, "act")] if case != "host" else None,
                                 mode="checkpoint" if case == "nvme+checkpoint" else "all",
                                 prefetch_bytes=parse_size(args.prefetch),
-                                write_behind_bytes=parse_size(args.write_behind))
+                                write_behind_bytes=parse_size(args.write_behind), min_bytes=parse_size(args.min_bytes))
     data = batches(stdlib_text(1 << 20)[0], args.steps, args.batch, args.context)
     times = []
     base = 0

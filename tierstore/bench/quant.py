@@ -8,6 +8,7 @@ or, without it, torch's copy_ of the same tensor), and the error: mean abs, max 
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -43,11 +44,11 @@ def run(args) -> int:
     from tierstore.quant import SCHEMES, dequantize, empty_quantized, quantize
     from tierstore.quant.schemes import get
 
-    bnbf: Any = None  # bitsandbytes.functional where it imports: an optional reference, never a dependency
-    try:
-        import bitsandbytes.functional as bnbf
+    bnbf: Any  # bitsandbytes.functional where it imports: an optional reference, never a dependency
+    try:  # by name, so the types check the same with and without it installed
+        bnbf = importlib.import_module("bitsandbytes.functional")
     except Exception:  # noqa: BLE001 - any import failure means "not available"
-        pass
+        bnbf = None
     n = args.numel
     blocks = [int(b) for b in args.blocks.split(",")]
     schemes = [get(s).name for s in args.schemes.split(",")] if args.schemes else list(SCHEMES)
