@@ -2,7 +2,8 @@
 >= 1B, everything on the nvme tier, a few training steps each, each size in a fresh process so one size's
 memory does not count against the next. Per size: peak RSS, bytes on disk, step time and step time per
 parameter; plotted next to the JSON. What it shows: peak RSS stays flat while the model and its bytes on
-disk grow (target: 256M -> 1B within +10%).
+disk grow (target: 256M -> 1B within +10%). Activation checkpointing keeps one input per block, which grows
+with depth; by default those inputs go to nvme too (--offload-activations), so nothing resident does.
 
 `--max-params` stops the ladder early (e.g. 128M on a small machine); `--sizes` gives it explicitly.
 """
@@ -32,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--states", choices=("fp32", "dynamic8"), default="fp32")
     p.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction, default=True,
                    help="run each block under torch.utils.checkpoint, as the demo does (default on)")
+    p.add_argument("--offload-activations", action=argparse.BooleanOptionalAction, default=True,
+                   help="OffloadConfig(activation_offload='nvme'): with checkpointing, the blocks' inputs go to nvme "
+                        "(docs/activations.md), so nothing resident grows with depth (default on)")
     p.add_argument("--pinned", default="64M", help="the store's page-locked budget")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per size")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # the child process: one size
@@ -49,7 +53,8 @@ def run(args) -> int:
             cmd = [sys.executable, "-m", "tierstore", "bench", "scale", "--one", "--sizes", str(n),
                    "--dir", root, "--steps", str(args.steps), "--context", str(args.context), "--batch",
                    str(args.batch), "--states", args.states, "--pinned", args.pinned, "--json", out,
-                   "--checkpoint-activations" if args.checkpoint_activations else "--no-checkpoint-activations"]
+                   "--checkpoint-activations" if args.checkpoint_activations else "--no-checkpoint-activations",
+                   "--offload-activations" if args.offload_activations else "--no-offload-activations"]
             print(f"bench scale: {n / 1e6:.0f}M parameters ...", flush=True)
             subprocess.run(cmd, check=True, timeout=args.timeout)
             with open(out) as f:
@@ -108,7 +113,9 @@ def _one(args) -> int:
     nvme = os.path.join(args.dir, "nvme")
     cfg = zero.OffloadConfig(params="nvme", optimizer_states="nvme", gradients="nvme", nvme_paths=[nvme],
                              state_codec=None if args.states == "fp32" else args.states,
-                             pinned_bytes=parse_size(args.pinned), prefetch_depth=2)
+                             pinned_bytes=parse_size(args.pinned), prefetch_depth=2,
+                             activation_offload="nvme" if args.offload_activations else None,
+                             activation_mode="checkpoint" if args.checkpoint_activations else "all")
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with zero.Init(cfg):
