@@ -271,11 +271,6 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self.module_state = ModuleState(model, self.layout, self._params, self.coordinator, self._fetch_param_shard,
                                         self._read_master, self._write_master, device=self.device, group=process_group)
         self._grads.before_open = self._check_not_clipped
-        # [Note: model.zero_grad() forgets the partitions] code that zeroes through the model (transformers'
-        # Trainer calls model.zero_grad(), never optimizer.zero_grad()) must not leave this step's gradient in
-        # the partitions, where the next backward would add to it: the model's zero_grad forgets them too.
-        self._model_zero_grad = functools.partial(_zero_model_and_partitions, model.zero_grad, weakref.ref(self))
-        model.zero_grad = self._model_zero_grad  # type: ignore[method-assign]  # an instance attribute
         # [Note: overlapped step]
         self._next_clip: tuple[float, float] | None = None  # clip_mode="previous_norm": (max_norm, norm) of the
         self._prev_clip: tuple[float, float] | None = None  # last clip_grad_norm_; ... of the one before this step
@@ -306,6 +301,11 @@ class Zero3Optimizer(torch.optim.Optimizer):
             if hasattr(p, "_tierstore_init"):
                 p._tierstore_init.discard()
                 del p._tierstore_init
+        # [Note: model.zero_grad() forgets the partitions] code that zeroes through the model (transformers'
+        # Trainer calls model.zero_grad(), never optimizer.zero_grad()) must not leave this step's gradient in
+        # the partitions, where the next backward would add to it: the model's zero_grad forgets them too.
+        self._model_zero_grad = functools.partial(_zero_model_and_partitions, model.zero_grad, weakref.ref(self))
+        model.zero_grad = self._model_zero_grad  # type: ignore[method-assign]  # an instance attribute
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructing", False):
@@ -832,7 +832,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if self.hpz is not None:
             self.hpz.remove()
         clip.unregister(self)
-        if self.model.__dict__.get("zero_grad") is self._model_zero_grad:
+        zero_grad = getattr(self, "_model_zero_grad", None)  # absent when construction failed before it
+        if zero_grad is not None and self.model.__dict__.get("zero_grad") is zero_grad:
             del self.model.zero_grad  # the class's own again
         self.coordinator.remove()
         self.module_state.remove()
