@@ -6,6 +6,8 @@ import json
 import os
 import shlex
 
+import pytest
+
 from tierstore.cli import main
 
 
@@ -140,6 +142,17 @@ def test_demo_big_picks_a_model_bigger_than_the_ram(tmp_path):
     ram = 2 << 30  # bytes
     w, layers = shape_for(_big_params(ram, "fp32"))
     assert 16 * count_params(w, layers, 128) >= 1.5 * ram
+
+
+def test_demo_big_refuses_a_disk_too_small_before_building_anything(tmp_path, monkeypatch):
+    import collections
+
+    import tierstore.demo as demo
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(demo.shutil, "disk_usage", lambda _p: usage(1 << 40, 0, 1 << 30))
+    with pytest.raises(SystemExit, match=r"has 1\.0 GiB free, the run needs about .*--resume-steps 0"):
+        main(["demo", "--big", "--ram-gib", "2", "--dir", str(tmp_path / "d")])
+    assert not any((tmp_path / "d").iterdir())
 
 
 def test_bench_scale_runs_small(tmp_path):

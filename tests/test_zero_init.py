@@ -138,6 +138,9 @@ def test_weight_replaced_by_tying_is_freed_from_the_init_store(tmp_path):
     assert init.stored_chunks == 1  # the embedding's chunk only
     opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=c)
     assert init.stored_chunks == 0 and init.store is None  # everything taken: the Init store is closed
+    # ... and its files are gone: left behind, they held the parameters' size in disk space for the whole run
+    nvme = pathlib.Path(c.nvme_paths[0])
+    assert sorted(p.name for p in nvme.iterdir()) == ["rank0"]  # no init-rank0
     m(torch.tensor([[1, 2, 3]])).sum().backward()
     opt.step()
     opt.close()

@@ -66,7 +66,16 @@ def _big_params(ram: int, states: str) -> float:
     """Parameters whose training states on nvme are >= 1.5x `ram`: fp32 master (shared with the parameters),
     gradient, exp_avg, exp_avg_sq = 16 bytes each; dynamic8 states ~1 byte each plus scales (~10)."""
     per = 16 if states == "fp32" else 10  # bytes per parameter
-    return 1.6 * ram / per
+    return 1.55 * ram / per
+
+
+def _disk_needed(params: float, states: str, resume: bool) -> int:
+    """Bytes of disk `--big` needs at its peak: the store's extent files (the states plus ~1/6 for
+    preallocation and copy-on-write) and, with the resume check, the checkpoint (fp32 master and states: 12
+    bytes a parameter in fp32, ~6 in dynamic8) -- the first run's files are deleted before the resumed run."""
+    per = 16 if states == "fp32" else 10  # bytes per parameter in the store
+    ckpt = (12 if states == "fp32" else 6) if resume else 0  # bytes per parameter in the checkpoint
+    return int(params * (per * 7 / 6 + ckpt))
 
 
 def run(args) -> int:
@@ -90,6 +99,14 @@ def run(args) -> int:
         args.width = args.width or w
         args.layers = args.layers or l_
     os.makedirs(args.dir, exist_ok=True)
+    if args.big:
+        from .bench.gpt import count_params
+        need = _disk_needed(count_params(args.width, args.layers, args.context), args.states, args.resume_steps > 0)
+        free = shutil.disk_usage(args.dir).free
+        if free < need:
+            raise SystemExit(f"tierstore demo --big: {args.dir} has {fmt_bytes(free)} free, the run needs about "
+                             f"{fmt_bytes(need)} (extent files and the checkpoint of the resume check): free space "
+                             f"there, point --dir at a larger disk, or pass --resume-steps 0 (no checkpoint)")
     out_dir = args.out or args.dir
     root = tempfile.mkdtemp(prefix="demo-", dir=args.dir)
     try:
@@ -253,7 +270,8 @@ def _train(args, root: str, report: dict) -> bool:
         clock.close()
         resumed = None
         if resume_at is not None:
-            opt.close()  # its directory is free; the resumed run uses another
+            opt.close()  # the resumed run uses another directory; this one's files go (--big: the disk is small)
+            shutil.rmtree(nvme_dir, ignore_errors=True)
             m2, o2 = build(_config(os.path.join(root, "resumed"), args))
             o2.load_checkpoint(ckpt)
             resumed = []

@@ -216,6 +216,7 @@ class Init:
         self.world_size, self.rank = 1, 0
         self.store: Store | None = None
         self._tmpdir: str | None = None
+        self._dirs: list[str] = []  # the store's directories: scratch space of this context, removed with the store
         self._keys = itertools.count()
         self._live = 0
         self._inside = False
@@ -244,6 +245,7 @@ class Init:
         else:
             self._tmpdir = tempfile.mkdtemp(prefix="tierstore-init-")
             paths = [self._tmpdir]
+        self._dirs = paths
         self.store = Store(paths, device_budget=None if cfg.params == "device" else 0,
                            host_budget=None if cfg.params == "host" else 0, pinned_budget=cfg.pinned_bytes,
                            io_tuning=cfg.io_tuning,
@@ -413,9 +415,12 @@ class Init:
         if self.store is not None:
             self.store.close(flush=False)
             self.store = None
-        if self._tmpdir:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
+        # The chunks were all taken: the store's files are scratch (it started `_fresh`, nothing reopens it), and
+        # left behind they would hold disk space the size of the model's parameters for the rest of the run.
+        for d in self._dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self._dirs = []
+        self._tmpdir = None
 
 
 class OffloadedParameter(torch.nn.Parameter):
