@@ -1,11 +1,11 @@
 """The overlapped step at world size N, measured: full training steps (forward + backward + step + zero_grad)
 of a stack of Linear layers at world size `--world` (gloo, one process per rank on this machine), with
-OffloadConfig(overlap_step=True) against overlap_step=False, and the overlapped step with the prefetch after
-the step turned off (the next forward then starts cold), in the same ranks, alternated A B C A B C.
+OffloadConfig(overlap_step=True) against overlap_step=False, each also with the prefetch after the step turned
+off (the next forward then starts cold), in the same ranks, alternated A B C D A B C D.
 
     python -m tierstore.bench.overlap_dist --world 2 --params 16e6 --width 1024 --tier nvme --rounds 5
 
-Each rank builds the three optimizers over three copies of one model (each its own store), warms each up, and
+Each rank builds the four optimizers over four copies of one model (each its own store), warms each up, and
 times each step between two barriers (so a step's time is the slowest rank's); rank 0 prints, per case, the
 median full step and the median first forward after a step, the ratios against overlap_step=False, and the
 load average before and after (see [Note: ratios, not lone numbers] in _common.py). [Note: overlapped step at
@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-CASES = ("after", "overlap", "overlap-cold")
-LABELS = {"after": "overlap_step=False (step after backward)", "overlap": "overlap_step=True",
-          "overlap-cold": "overlap_step=True, no prefetch after the step"}
+CASES = ("after", "after-cold", "overlap", "overlap-cold")
+LABELS = {"after": "overlap_step=False (step after backward)",
+          "after-cold": "overlap_step=False, no prefetch after the step",
+          "overlap": "overlap_step=True", "overlap-cold": "overlap_step=True, no prefetch after the step"}
 
 
 def _model(params: float, width: int) -> torch.nn.Module:
@@ -49,9 +50,10 @@ def _rank(rank: int, args, port: int, root: str) -> None:
         for case in CASES:
             t = args.tier
             cfg = OffloadConfig(params=t, optimizer_states=t, gradients=t, nvme_paths=[os.path.join(root, case)],
-                                overlap_step=case != "after", sub_group_bytes=args.sub_group, prefetch_depth=2)
+                                overlap_step=case.startswith("overlap"), sub_group_bytes=args.sub_group,
+                                prefetch_depth=2)
             opt = Zero3Optimizer(copy.deepcopy(base), torch.optim.AdamW, lr=1e-4, config=cfg)
-            if case == "overlap-cold":
+            if case.endswith("-cold"):
                 opt.coordinator.prefetch_forward = lambda: None  # type: ignore[method-assign]  # the cold reference
             opts[case] = opt
         g = torch.Generator().manual_seed(1 + rank)
@@ -88,10 +90,10 @@ def _rank(rank: int, args, port: int, root: str) -> None:
             print(f"world {args.world}, {n / 1e6:.1f}M parameters ({args.width} wide), tier {args.tier}, batch "
                   f"{args.batch} per rank, {args.rounds} rounds alternated; load average {load0[0]:.1f} before, "
                   f"{load1[0]:.1f} after")
-            print(f"{'case':<48} {'full step':>10} {'vs after':>9} {'forward':>9} {'vs after':>9}")
+            print(f"{'case':<50} {'full step':>10} {'vs after':>9} {'forward':>9} {'vs after':>9}")
             for case in CASES:
                 full, first = statistics.median(times[case]), statistics.median(fwd[case])
-                print(f"{LABELS[case]:<48} {full * 1e3:>8.0f}ms {full / ref:>8.2f}x {first * 1e3:>7.0f}ms "
+                print(f"{LABELS[case]:<50} {full * 1e3:>8.0f}ms {full / ref:>8.2f}x {first * 1e3:>7.0f}ms "
                       f"{first / ref_f:>8.2f}x")
         for opt in opts.values():
             opt.close()
