@@ -502,8 +502,10 @@ class ParamCoordinator:
         """End of backward: the reducer agrees with the other ranks and reduces what is left
         ([Note: gradient reduce-scatter], [Note: no gradient]); with on_final set, each bucket final then is
         handed to it as soon as it is reduced ([Note: overlapped step] in optimizer.py)."""
-        live = self.residency.live
-        self.rereductions += self.reducer.end_of_backward(self.schedule, self.on_final, lambda g: g not in live)
+        # a bucket still held once backward is over (a parameter of it got no gradient here) is a copy nobody
+        # reads again, unless a forward running uses it (a backward inside a forward)
+        res = self.residency
+        self.rereductions += self.reducer.end_of_backward(self.schedule, self.on_final, lambda g: not res.in_use(g))
 
     def prefetch_forward(self) -> None:
         """Between steps (after the optimizer's step): start the stages of [Note: prefetch stages] for the

@@ -606,8 +606,9 @@ class Zero3Optimizer(torch.optim.Optimizer):
     # for anyway; with a backend that reduces only on the device (NCCL) the coordinator reads the flags only once
     # the collective completed, never syncing the device (not run here: no GPU). At the end of backward, after the
     # agreement on dirty buckets, every reduction is final: each bucket reduced there with a gradient for every
-    # parameter is handed over as soon as it is reduced. The first backward (no schedule yet) therefore steps every
-    # sub-group during the end-of-backward reductions, later ones during backward proper.
+    # parameter (on some rank) and not used by a forward running is handed over as soon as it is reduced. The
+    # first backward (no schedule yet) therefore steps its sub-groups during the end-of-backward reductions,
+    # later ones during backward proper.
     # Clipping: clip_mode="previous_norm" takes the global norm as without overlap (clip_grad_norm_: an all_reduce
     # of the ranks' sums of squares, taken when each partition was at hand) after backward; with
     # OffloadConfig.gradient_clipping, step() posts it before it waits for the sub-groups stepping, so it runs
