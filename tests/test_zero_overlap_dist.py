@@ -70,6 +70,7 @@ CASES = {  # name -> (tier of params, states and gradients, micro-batches per st
     "nvme_acc_clip": ("nvme", 2, 0.05),
     "host_clip": ("host", 1, 0.05),
     "nvme_heads": ("nvme", 1, None),  # TwoHeads, a rank-dependent loss
+    "host_clip_config": ("host", 1, 0.05),  # OffloadConfig(gradient_clipping=...): step() takes the norm
 }
 
 
@@ -83,7 +84,8 @@ def run_case(rank, world, root, name, overlap):
     m = model(heads)
     cfg = OffloadConfig(params=tier, optimizer_states=tier, gradients=tier, min_io_bytes=0, sub_group_bytes=4096,
                         nvme_paths=[os.path.join(root, f"{name}-{overlap}")], overlap_step=overlap,
-                        clip_mode="previous_norm" if clip else "exact", prefetch_depth=1)
+                        clip_mode="previous_norm" if clip else "exact", prefetch_depth=1,
+                        gradient_clipping=clip if name.endswith("config") else None)
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, config=cfg)
     seen: list[int] = []
     norms = []
@@ -102,7 +104,7 @@ def run_case(rank, world, root, name, overlap):
                     with opt.accumulating():
                         loss.backward()
             seen.append(at_input[-1])
-            if clip:
+            if clip and not name.endswith("config"):
                 norms.append(float(opt.clip_grad_norm_(clip)))
             opt.step()
             opt.zero_grad()
@@ -161,6 +163,10 @@ def test_overlapped_step_at_world_n_equals_the_step_after_backward(tmp_path_fact
         if r:
             assert all(torch.equal(v, res[0][(name, True)]["full"][k]) for k, v in on["full"].items())
     on = res[0][(name, True)]
+    if name.endswith("config"):  # the same clipping as clip_grad_norm_ after backward, bit for bit
+        assert all(torch.equal(v, res[0][("host_clip", False)]["full"][k]) for k, v in on["full"].items())
+        assert on["overlapped"] == on["buckets"] * STEPS and on["deferred"] == 0, on
+        return
     if name.endswith("heads"):
         # the heads' buckets: reduced during backward from the second step on, complete on one rank only, so
         # stepped in step() (their nvme partitions stored meanwhile); every other sub-group overlapped
