@@ -224,7 +224,9 @@ def test_traced_prefetch_hits_and_rebuilds_on_order_change(tmp_path, caplog):
     st = co.stats()
     assert st.trace_rebuilds >= 2
     assert any("order changed" in r.getMessage() for r in caplog.records)
-    assert st.reads_in_flight == 0 and st.gathers_in_flight == 0  # nothing left in flight
+    # nothing else left in flight than the next forward's first reads, started by the last step ([Note:
+    # prefetch after the step]; world 1: no all-gathers)
+    assert st.reads_in_flight > 0 and st.gathers_in_flight == 0
     assert st.staged >= st.prefetch_hits > 0  # every shard read ahead went through the host->device stage
     assert st.staged_copies == 0 and st.gathers_ahead == 0  # CPU: the stage hands shards through; world 1: none
     assert max_rel(opt.full_state_dict(), ref) <= 1e-6  # parity with prefetching and order changes

@@ -211,6 +211,39 @@ def test_overlapped_step_refuses_what_it_cannot_honour(tmp_path):
         opt.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_next_forwards_first_reads_start_in_the_step(tmp_path, overlap):
+    """[Note: prefetch after the step] in prefetch.py: step() reads ahead the shards of the forward's first
+    module, so the next forward's first gather uses a shard already read (without it the first module's shard
+    is read when the module runs: nothing runs before it to read it ahead); results stay torch's."""
+    m, ref = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path, "nvme", "nvme", "nvme", prefetch_depth=1,
+                                                                    overlap_step=overlap))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    co = opt.coordinator
+    hits_at_first: list[int] = []  # prefetch hits when the first module runs (its gather done), per forward
+    m.fc1.register_forward_pre_hook(lambda mod, args: hits_at_first.append(co.stats().prefetch_hits))
+    try:
+        read_after_step = []
+        hits_before = []
+        for x, y in batches(4):
+            hits_before.append(co.stats().prefetch_hits)
+            loss_fn(m, x, y).backward()
+            opt.step()
+            read_after_step.append(co.stats().reads_in_flight)
+            opt.zero_grad()
+        _train(ref_opt, ref, batches(4), ref=True)
+        # the first forward records the trace: nothing ahead of it; every later one finds fc1 read in the step
+        assert [a - b for a, b in zip(hits_at_first, hits_before)][0] == 0
+        assert all(a > b for a, b in zip(hits_at_first[1:], hits_before[1:])), (hits_at_first, hits_before)
+        assert all(n > 0 for n in read_after_step), read_after_step
+        full = opt.full_state_dict()
+        for n, p in ref.named_parameters():
+            assert torch.equal(full[n], p.detach()), n
+    finally:
+        opt.close()
+
+
 def test_norms_of_nvme_gradients_read_back_once_then_taken_at_hand(tmp_path):
     """Gradients on nvme: the first clip_grad_norm_ reads them back (nobody had asked for norms), later
     steps take the norm while the partition is at hand -- no extra disk read; the clipping matches torch."""

@@ -106,6 +106,47 @@ def all_reduce_max(x: torch.Tensor, group=None) -> torch.Tensor:
     return _all_reduce(x, dist.ReduceOp.MAX, group) if world > 1 else x
 
 
+class Reducing:
+    """An all_reduce in flight (all_reduce_max_async): ``wait()`` returns its result (in place in the tensor
+    given). ``ready()``: whether waiting now costs no device synchronisation -- always with a backend that
+    reduces host tensors (gloo), where a wait costs at most the other ranks' arrival; on a device-only
+    backend (NCCL) only once the collective has completed."""
+
+    def __init__(self, x: torch.Tensor, work=None, device_copy: torch.Tensor | None = None):
+        self.x = x
+        self._work = work
+        self._device_copy = device_copy
+
+    def ready(self) -> bool:
+        if self._work is None or self._device_copy is None:
+            return True
+        return bool(self._work.is_completed())  # accelerator only -- never run here
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._device_copy is not None:  # accelerator only -- never run here
+                self.x.copy_(self._device_copy)
+                self._device_copy = None
+        return self.x
+
+
+def all_reduce_max_async(x: torch.Tensor, group=None) -> Reducing:
+    """all_reduce_max posted with async_op=True: its place in the sequence of collectives is now, on every rank;
+    the caller waits later (see Reducing)."""
+    world, _ = world_and_rank(group)
+    if world == 1:
+        return Reducing(x)
+    backend = str(dist.get_backend(group))
+    if x.device.type == "cpu" and "gloo" not in backend and "mpi" not in backend and "cpu" not in backend:
+        acc = torch.accelerator.current_accelerator()  # as in _all_reduce; never run here
+        assert acc is not None
+        y = x.to(torch.device(acc.type, torch.accelerator.current_device_index()))
+        return Reducing(x, dist.all_reduce(y, op=dist.ReduceOp.MAX, group=group, async_op=True), y)
+    return Reducing(x, dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group, async_op=True))
+
+
 def barrier(group=None) -> None:
     world, _ = world_and_rank(group)
     if world > 1:

@@ -54,11 +54,12 @@ class OffloadConfig:
     pipeline_depth: sub-groups in flight in the step (read i+1, step i, write i-1 is 3).
     initial_loss_scale, loss_scale_window, min_loss_scale: fp16 dynamic loss scaling.
     overlap_step: step each sub-group during backward, as soon as its gradient is final, on the step
-        pipeline's threads (world size 1; the backward of the last micro-batch, i.e. outside
-        ``opt.accumulating()``); ``opt.step()`` then finishes the step. See [Note: overlapped step] in
-        optimizer.py. Not with float16 (the loss scaler needs every gradient before any step).
+        pipeline's threads (at world size N once every rank's reduce-scatter of it is final; the backward of
+        the last micro-batch, i.e. outside ``opt.accumulating()``); ``opt.step()`` then finishes the step.
+        See [Note: overlapped step] in optimizer.py. Not with float16 (the loss scaler needs every gradient
+        before any step).
     clip_mode: "exact" (clip_grad_norm_ after backward, applied by the next step(); refused once a backward
-        stepped sub-groups with overlap_step) or "previous_norm" (with overlap_step: each step clips with the
+        ran with overlap_step) or "previous_norm" (with overlap_step: each step clips with the
         max_norm and the global norm the previous clip_grad_norm_ call gave; the first step is not clipped).
     gradient_clipping: when set (> 0), step() clips the gradients to this global L2 norm, unless
         clip_grad_norm_ was called since the last step (DeepSpeed's `gradient_clipping`). None or 0: off.

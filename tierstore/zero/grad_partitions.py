@@ -101,6 +101,19 @@ class GradPartitions:
         finally:
             self.buffers.give(part)
 
+    def keep(self, gid: int) -> None:
+        """Partition `gid`, closed with hand_over, is not stepped now after all (world size N: another rank had
+        not all its gradient when it was reduced; [Note: overlapped step at world size N] in optimizer.py):
+        stored as close() would have stored it."""
+        part = self.handed.pop(gid, None)
+        if part is None:  # a memory tier: it is in the store already
+            return
+        try:
+            self.store.put(keys.grad(gid), part, tier=self.tier)
+            self.disk.count(keys.grad(gid), write=True)
+        finally:
+            self.buffers.give(part)
+
     def abort(self, gid: int) -> None:
         """open() was not followed by a write (an error): leave it as it was."""
         cm = self._open.pop(gid, None)

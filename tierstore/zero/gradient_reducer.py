@@ -29,6 +29,7 @@ later ones hold roughly the gradients of the buckets not yet due. One small coll
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -46,6 +47,8 @@ class PartitionSink(Protocol):
     def open(self, gid: int) -> tuple[torch.Tensor, bool]: ...
 
     def close(self, gid: int, part: torch.Tensor, *, hand_over: bool = False) -> None: ...
+
+    def keep(self, gid: int) -> None: ...
 
     def abort(self, gid: int) -> None: ...
 
@@ -69,8 +72,9 @@ class GradientReducer:
         self.trainable = layout.trainable_gids()
         self.trainable_names = [n for gl in layout.groups if gl.trainable for n in gl.names]
         # gid -> trainable parameters with a run in it; a bucket is complete once that many got their gradient
-        self.params_in: dict[int, int] = {gid: len(set(p.name for p in layout.bucket(gid).pieces))
-                                          for gid in self.trainable}
+        self.params_named: dict[int, set[str]] = {gid: {p.name for p in layout.bucket(gid).pieces}
+                                                  for gid in self.trainable}
+        self.params_in: dict[int, int] = {gid: len(names) for gid, names in self.params_named.items()}
         self.grad_names: set[str] = set()  # got a gradient on any rank since clear ([Note: no gradient])
         # -- this backward
         self.reduced: set[int] = set()  # buckets reduced in this backward
@@ -185,10 +189,14 @@ class GradientReducer:
             buf = self._flats[numel] = torch.empty(numel, dtype=torch.float32, device=self.device)
         return buf
 
-    def end_of_backward(self, schedule: BackwardSchedule) -> int:
+    def end_of_backward(self, schedule: BackwardSchedule, on_final: Callable[[int], None] | None = None,
+                        may_step: Callable[[int], bool] | None = None) -> int:
         """Agree on positions, dirty buckets and which parameters got a gradient (one all_reduce MAX), then
         reduce-scatter every trainable bucket not reduced yet and every dirty one, in bucket order; returns how
-        many were reduced again. See [Note: gradient reduce-scatter], [Note: no gradient] in hooks.py."""
+        many were reduced again. See [Note: gradient reduce-scatter], [Note: no gradient] in hooks.py.
+        `on_final`: called with each bucket reduced here whose gradient is then final and whole -- every
+        trainable parameter in it got a gradient on some rank, none is skipped -- and that `may_step` allows,
+        right after its reduction (its partition handed over; [Note: overlapped step] in optimizer.py)."""
         dirty = set(self.dirty)
         got = self.got_grad
         if self.world > 1:
@@ -207,9 +215,13 @@ class GradientReducer:
         for gid in self.trainable:
             if gid in dirty:
                 again += 1
-                self.reduce(gid)
-            elif gid not in self.reduced:
-                self.reduce(gid)
+            elif gid in self.reduced:
+                continue
+            final = on_final is not None and self.params_named[gid] <= self.grad_names and (
+                may_step is None or may_step(gid))
+            self.reduce(gid, hand_over=final)
+            if final and on_final is not None:
+                on_final(gid)
         self.drop_grads()
         return again
 

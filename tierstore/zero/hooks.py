@@ -89,6 +89,9 @@ class CoordinatorStats:
     trace_rebuilds: int  # times the module order changed and the prefetch trace was re-recorded ([Note: trace])
     eager_reductions: int  # world size 1: buckets reduced as soon as their gradients were complete
     early_reductions: int  # world size N: buckets reduced during backward by the agreed schedule
+    # world size N, overlap_step: buckets reduced during backward that some rank could not step then (not all
+    # their gradients in yet there); stepped in step() ([Note: overlapped step at world size N] in optimizer.py)
+    finals_deferred: int
     rereductions: int  # buckets that received gradient after their reduction and were reduced again
     grad_bytes: int  # bytes of full .grad alive now
     peak_grad_bytes: int  # bytes of full .grad alive at once, at most, in the last (or current) backward
@@ -130,9 +133,14 @@ class ParamCoordinator:
         self._lend = lend_shard if self._world == 1 and not quantized_weights else None
         self._lent: dict[int, bool] = {}
         self.views = True  # False: gather copies even where a shard could be lent (gathered())
-        # world size 1: called with each bucket whose gradient became final (complete and reduced) during
-        # backward, to step it ([Note: overlapped step] in optimizer.py); None: nothing to do
+        # called with each bucket whose gradient became final (reduced, and no more gradient can reach it)
+        # during backward, to step it ([Note: overlapped step] in optimizer.py); None: nothing to do
         self.on_final: Callable[[int], None] | None = None
+        # world size N: buckets reduced early with on_final set, and the all_reduce that tells whether every
+        # rank can step them ([Note: overlapped step at world size N] in optimizer.py), oldest first
+        self._finals: list[tuple[tuple[int, ...], _dist.Reducing]] = []
+        self.finals_deferred = 0
+        self.final_backwards = 0  # backwards that ended with on_final set (their sub-groups may be stepped)
         # -- prefetch ([Note: prefetch stages] in prefetch.py)
         # a lent shard is not read ahead: using it costs nothing
         self.prefetcher = Prefetcher(layout, fetch_shard,
@@ -198,7 +206,8 @@ class ParamCoordinator:
             prefetch_hits_backward=self.prefetch_hits_backward, staged=pf.stage.staged,
             staged_copies=pf.stage.copies, trace_rebuilds=self.trace.rebuilds,
             eager_reductions=self.eager_reductions, early_reductions=self.early_reductions,
-            rereductions=self.rereductions, grad_bytes=self.grad_bytes, peak_grad_bytes=self.peak_grad_bytes,
+            rereductions=self.rereductions, finals_deferred=self.finals_deferred,
+            grad_bytes=self.grad_bytes, peak_grad_bytes=self.peak_grad_bytes,
             buckets_held=frozenset(self.residency.live), reads_in_flight=pf.reads_in_flight,
             gathers_in_flight=pf.gathers_in_flight, in_forward=self._depth > 0)
 
@@ -390,10 +399,14 @@ class ParamCoordinator:
         """Visit entries down to `index` ([Note: backward gathers])."""
         res, red = self.residency, self.reducer
         while (visit := self.schedule.step_to(index)) is not None:
-            for gid in visit.due:  # [Note: gradient reduce-scatter]
-                if gid not in red.reduced:
-                    red.reduce(gid)
-                    self.early_reductions += 1
+            self._resolve_finals(wait=False)
+            due = [g for g in visit.due if g not in red.reduced]  # [Note: gradient reduce-scatter]
+            overlap = self.on_final is not None
+            for gid in due:
+                red.reduce(gid, hand_over=overlap)
+                self.early_reductions += 1
+            if overlap and due:
+                self._post_finals(due)
             need = [g for g in visit.gids if g not in res.protocol]
             pf = self.prefetcher
             hits, ghits = pf.prefetch_hits, pf.gather_hits
@@ -407,6 +420,28 @@ class ParamCoordinator:
                 if self.events:
                     self.events.emit("backward_visit", visit.entry)
                 self._prefetch_backward()
+
+    def _post_finals(self, gids: list[int]) -> None:
+        """World size N, overlap_step: buckets `gids` were just reduced; whether their gradient is final is
+        known once every rank says it had all of it (one small all_reduce MAX, waited later). See [Note:
+        overlapped step at world size N] in optimizer.py."""
+        res, red = self.residency, self.reducer
+        flags = torch.tensor([0 if red.complete(g) and g not in res.live and g in res.protocol else 1 for g in gids],
+                             dtype=torch.int32)
+        self._finals.append((tuple(gids), _dist.all_reduce_max_async(flags, self.group)))
+
+    def _resolve_finals(self, *, wait: bool) -> None:
+        """Step the buckets whose all_reduce said every rank can (the oldest first, as far as those are ready,
+        or all of them with `wait`); the others' partitions are kept for step()."""
+        while self._finals and (wait or self._finals[0][1].ready()):
+            gids, pending = self._finals.pop(0)
+            flags = pending.wait().tolist()
+            for gid, refused in zip(gids, flags):
+                if not refused and self.on_final is not None:
+                    self.on_final(gid)
+                else:
+                    self.reducer.sink.keep(gid)
+                    self.finals_deferred += 1
 
     def _prefetch_backward(self) -> None:
         """Backward: stages ahead of the cursor, over the entries below it ([Note: prefetch stages]). Every
@@ -440,11 +475,17 @@ class ParamCoordinator:
         try:
             if self._world > 1:
                 self._advance_to(0, final=True)
+            self._resolve_finals(wait=True)
+            self.final_backwards += self.on_final is not None
             self.reduce_gradients()
         finally:
             self._reset_backward()
 
     def _reset_backward(self, *, aborted: bool = False) -> None:
+        for gids, _pending in self._finals:  # a backward that raised: its partitions wait for step()
+            for gid in gids:
+                self.reducer.sink.keep(gid)
+        self._finals.clear()
         self.phase = Phase.FORWARD if self._depth > 0 else Phase.IDLE
         self.reducer.end()
         self.schedule.end()
@@ -459,8 +500,19 @@ class ParamCoordinator:
 
     def reduce_gradients(self) -> None:
         """End of backward: the reducer agrees with the other ranks and reduces what is left
-        ([Note: gradient reduce-scatter], [Note: no gradient])."""
-        self.rereductions += self.reducer.end_of_backward(self.schedule)
+        ([Note: gradient reduce-scatter], [Note: no gradient]); with on_final set, each bucket final then is
+        handed to it as soon as it is reduced ([Note: overlapped step] in optimizer.py)."""
+        # a bucket still held once backward is over (a parameter of it got no gradient here) is a copy nobody
+        # reads again, unless a forward running uses it (a backward inside a forward)
+        res = self.residency
+        self.rereductions += self.reducer.end_of_backward(self.schedule, self.on_final, lambda g: not res.in_use(g))
+
+    def prefetch_forward(self) -> None:
+        """Between steps (after the optimizer's step): start the stages of [Note: prefetch stages] for the
+        first modules of the next forward, as its first module would -- the same on every rank (the trace is),
+        so a collective posted here is too. See [Note: prefetch after the step] in prefetch.py."""
+        if self.prefetcher.enabled and self.phase is Phase.IDLE and self._depth == 0:
+            self.prefetcher.ahead([self._module_gids.get(mid, ()) for mid in self.trace.upcoming(self.prefetcher.span)])
 
 
 class _Call:

@@ -271,20 +271,18 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self.module_state = ModuleState(model, self.layout, self._params, self.coordinator, self._fetch_param_shard,
                                         self._read_master, self._write_master, device=self.device, group=process_group)
         self._grads.before_open = self._check_not_clipped
-        # [Note: overlapped step]
+    # [Note: overlapped step]
         self._next_clip: tuple[float, float] | None = None  # clip_mode="previous_norm": (max_norm, norm) of the
         self._prev_clip: tuple[float, float] | None = None  # last clip_grad_norm_; ... of the one before this step
         self._accumulating = 0
         self._overlapped = 0  # sub-group steps done during backward (OptimizerStats)
         self._stream: StepStream | None = None
-        if config.overlap_step and self.world_size == 1:
+        self._final_backwards_seen = 0  # coordinator.final_backwards at the last zero_grad()
+        if config.overlap_step:
             st = self._stepper
             self._stream = StepStream(config.pipeline_depth, lambda it: st.load(it[0], self._grads.take(it[0])),
                                       lambda it, t: st.step_loaded([t], it[1])[0], lambda it, t: st.save(t))
             self.coordinator.on_final = self._step_final
-        elif config.overlap_step:
-            log.info("OffloadConfig(overlap_step=True) at world size %d: sub-groups are stepped in step(), after "
-                     "backward (the overlapped step is implemented at world size 1)", self.world_size)
         self.activations = None  # tierstore.ActivationOffload when config.activation_offload is set
         if config.activation_offload is not None:
             from ..activations import ActivationOffload
@@ -518,7 +516,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if float(norm_type) != 2.0:
             raise TierstoreValueError(f"norm_type={norm_type}: only the L2 norm (2.0) is supported")
         previous = self.config.clip_mode == "previous_norm"
-        if self._grads.stepped and not previous:
+        if self._overlap_spent() and not previous:
             raise MisuseError("clip_grad_norm_ after a backward that already stepped sub-groups "
                               "(OffloadConfig(overlap_step=True)): their step cannot be clipped any more. Use "
                               "OffloadConfig(clip_mode='previous_norm') to clip overlapped steps with the previous "
@@ -551,11 +549,17 @@ class Zero3Optimizer(torch.optim.Optimizer):
         """Clamp every gradient element of this rank's partitions to [-clip_value, clip_value] now (exact: the
         partition holds the reduced gradient; the fp16 loss scale and a pending norm clip are accounted for).
         torch.nn.utils.clip_grad_value_ routes here for this optimizer's parameters."""
-        if self._grads.stepped:
+        if self._overlap_spent():
             raise MisuseError("clip_grad_value_ after a backward that already stepped sub-groups "
                               "(OffloadConfig(overlap_step=True)): their gradients are spent. Use overlap_step=False "
                               "to clip by value")
         self._grads.clamp_(float(clip_value) * self._scaler.scale / self._clip_coef)
+
+    def _overlap_spent(self) -> bool:
+        """A backward since zero_grad() ended with the overlapped step on: sub-groups may have been stepped --
+        the same answer on every rank, which the set of sub-groups stepped is not (a collective refused on one
+        rank alone would leave the others waiting in it)."""
+        return bool(self._grads.stepped) or self.coordinator.final_backwards != self._final_backwards_seen
 
     def managed_param_ids(self) -> frozenset[int]:
         """id() of every parameter this optimizer partitions (tied ones once; frozen ones included)."""
@@ -566,25 +570,52 @@ class Zero3Optimizer(torch.optim.Optimizer):
         return frozenset(id(p) for p in self._params.values() if p.requires_grad)
 
     # [Note: overlapped step]
-    # With OffloadConfig(overlap_step=True) at world size 1, a sub-group whose gradient is final -- every
-    # trainable parameter of its bucket has its gradient for this backward and the bucket is reduced -- is
-    # stepped right away: the coordinator hands it over (``on_final``) and StepStream (pipeline.py) loads its
-    # master and states on a reader thread, steps it on a compute thread and writes it back on a writer
-    # thread while backward goes on; on nvme its gradient partition goes from the reduction straight to the
-    # step, never to the disk ([Note: persistent gradient partitions] in grad_partitions.py). ``step()``
-    # waits for them and steps what backward left (buckets reduced at its end: some parameter without a
-    # gradient, or still held by a running forward). Only the backward of the last micro-batch steps: one
-    # run inside ``with opt.accumulating():`` only accumulates.
-    # What it changes: a step needs every clipping or overflow decision before the sub-groups are stepped,
-    # so float16 (the loss scaler) is refused, exact clipping after an overlapped backward raises, and
-    # clip_mode="previous_norm" clips every step with the max_norm and global norm of the clip_grad_norm_
-    # call of the step before (the first step is not clipped) -- exact when nothing is clipped. A sub-group
-    # that receives gradient after it was stepped (a parameter shared by two reentrant checkpointed regions)
-    # raises instead of being stepped twice. The parameters are gathered as copies in this mode (no lent
-    # shards, [Note: gathering at world size 1] in hooks.py), so what autograd saved in forward keeps the
-    # values the forward used. Not covered: a parameter gathered again later in the same backward after its
-    # gradient is final (a use that takes no gradient, on demand) reads the stepped value -- keep
-    # overlap_step off for such a model.
+    # With OffloadConfig(overlap_step=True), a sub-group whose gradient is final -- world size 1: every trainable
+    # parameter of its bucket has its gradient for this backward and the bucket is reduced; world size N: see [Note:
+    # overlapped step at world size N] -- is stepped right away: the coordinator hands it over (``on_final``) and
+    # StepStream (pipeline.py) loads its master and states on a reader thread, steps it on a compute thread and
+    # writes it back on a writer thread while backward goes on; on nvme its gradient partition goes from the
+    # reduction straight to the step, never to the disk ([Note: persistent gradient partitions] in
+    # grad_partitions.py). ``step()`` waits for them and steps what backward left (some parameter of the bucket
+    # without a gradient, a bucket still held by a running forward); a bucket whose gradient becomes final in the
+    # end-of-backward reductions is handed over there, so its step overlaps the reductions after it. Only the
+    # backward of the last micro-batch steps: one run inside ``with opt.accumulating():`` only accumulates.
+    # What it changes: a step needs every clipping or overflow decision before the sub-groups are stepped, so
+    # float16 (the loss scaler) is refused, exact clipping after an overlapped backward raises, and
+    # clip_mode="previous_norm" clips every step with the max_norm and global norm of the clip_grad_norm_ call of
+    # the step before (the first step is not clipped) -- exact when nothing is clipped. A sub-group that receives
+    # gradient after it was stepped (a parameter shared by two reentrant checkpointed regions) raises instead of
+    # being stepped twice. The parameters are gathered as copies in this mode (no lent shards, [Note: gathering at
+    # world size 1] in hooks.py), so what autograd saved in forward keeps the values the forward used. Not covered:
+    # a parameter gathered again later in the same backward after its gradient is final (a use that takes no
+    # gradient, on demand) reads the stepped value -- keep overlap_step off for such a model.
+    #
+    # [Note: overlapped step at world size N]
+    # At world size N a bucket is reduce-scattered during backward when the agreed schedule says so ([Note: gradient
+    # reduce-scatter] in gradient_reducer.py) -- complete on this rank or not: a rank whose gradient for it is not
+    # all in yet marks it dirty when the rest arrives, and every rank reduces it again at the end. So "reduced here"
+    # is not "final": this rank cannot know alone whether another will add to it. At each visit that reduces buckets
+    # with overlap_step on, the coordinator posts one small all_reduce MAX of a flag per bucket -- 1 where this rank
+    # cannot step it now (its gradient not complete here, or its values held, or not gathered in this backward, so a
+    # later visit could read the shard) -- and keeps the partitions aside (on nvme in their buffers, handed over).
+    # At the next visit (or the end of backward) it reads the result: a bucket no rank flagged is final everywhere
+    # and stepped at once on the stream, the others' partitions are stored as without overlap and step() steps them
+    # (CoordinatorStats. finals_deferred). The decision is the same on every rank; so must be the use of
+    # ``accumulating()`` (it decides whether the flags are posted at all), as every rank's backward calls must match
+    # anyway. With gloo the wait costs at most the other ranks' arrival at that visit, which its all-gathers wait
+    # for anyway; with a backend that reduces only on the device (NCCL) the coordinator reads the flags only once
+    # the collective completed, never syncing the device (not run here: no GPU). At the end of backward, after the
+    # agreement on dirty buckets, every reduction is final: each bucket reduced there with a gradient for every
+    # parameter (on some rank) and not used by a forward running is handed over as soon as it is reduced. The
+    # first backward (no schedule yet) therefore steps its sub-groups during the end-of-backward reductions,
+    # later ones during backward proper.
+    # Clipping: clip_mode="previous_norm" takes the global norm as without overlap (clip_grad_norm_: an all_reduce
+    # of the ranks' sums of squares, taken when each partition was at hand) after backward; with
+    # OffloadConfig.gradient_clipping, step() posts it before it waits for the sub-groups stepping, so it runs
+    # meanwhile. Exact clipping after a backward that ran with overlap is refused on every rank alike (not only on
+    # those that stepped something): one rank raising alone would leave the others in the collective. Which
+    # parameters got no gradient is only agreed at the end of backward; a bucket stepped earlier had a gradient for
+    # every parameter on every rank, so no parameter of it is skipped ([Note: skipped parameters] in skipped.py).
 
     def _step_final(self, gid: int) -> None:
         """The coordinator's on_final: step sub-group `gid` now, on the stream."""
@@ -623,6 +654,9 @@ class Zero3Optimizer(torch.optim.Optimizer):
                 loss = closure()
         stepped = self._grads.stepped
         if self._stream is not None:
+            if self.config.gradient_clipping and not self._clipped and self._grads:  # clip_mode="previous_norm"
+                # this step's global norm, for the next one: its all_reduce runs while the overlapped steps end
+                self.clip_grad_norm_(self.config.gradient_clipping)
             self._stream.wait()  # the sub-groups stepped during backward ([Note: overlapped step])
         if not self._grads:  # no backward since zero_grad(): like torch, nothing to do
             return loss
@@ -647,6 +681,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self._prev_clip, self._next_clip = self._next_clip, None
         self._clipped = False
         self.steps += 1
+        self.coordinator.prefetch_forward()  # [Note: prefetch after the step] in prefetch.py
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -654,6 +689,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if self._stream is not None:
             self._stream.wait()  # nothing may still be stepping what is forgotten
         self._grads.clear()  # the partitions' memory is kept ([Note: persistent gradient partitions])
+        self._final_backwards_seen = self.coordinator.final_backwards
         self._clip_coef = 1.0
         self._clipped = False
         self.coordinator.clear_grad_flags()
@@ -741,6 +777,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         """Replace trainable sub-group `gid`'s master shard (and parameter shard), states and aux state on
         this rank (what export_subgroup returns; `state` empty: a sub-group no step reached)."""
         cfg = self.config
+        self.coordinator.prefetcher.drop()  # read ahead before this write ([Note: prefetch after the step])
         master = master.to(self.device, torch.float32)
         self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
         if not self._shared_master:

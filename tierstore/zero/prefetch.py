@@ -32,6 +32,17 @@ bucket each). At world size 1 there is no collective to overlap: the gather is a
 runs. With prefetching on, a bucket the trace says one of the next `prefetch_depth` modules uses is kept
 when the module using it ends (packed small parameters of neighbouring modules are gathered once, not once
 per module); the forward's end releases it.
+
+[Note: prefetch after the step]
+The first modules of a forward have nothing before them to hide their reads behind: without help the
+forward starts cold (read, all-gather, then compute). So when the optimizer's step() has written every
+sub-group back, the coordinator starts the stages for the first modules of the trace as the first module
+itself would (``ParamCoordinator.prefetch_forward``): their shards are read, and at world size N their
+all-gathers posted (step() runs on every rank, and the trace is the same on every rank, so the collectives
+are too), while the caller zeroes gradients and loads the next batch. They are used by the next forward
+like any read ahead, and dropped at its end if its order changed. A shard written outside the step
+(``load_state_dict``, a checkpoint load, ``gathered(modifier_rank=...)``) first drops what was read ahead,
+so nothing read before that write is used after it.
 """
 from __future__ import annotations
 
