@@ -73,12 +73,13 @@ def _big_params(ram: int, states: str) -> float:
 
 
 def _disk_needed(params: float, states: str, resume: bool) -> int:
-    """Bytes of disk `--big` needs at its peak: the store's extent files (the states plus ~1/6 for
-    preallocation and copy-on-write) and, with the resume check, the checkpoint (fp32 master and states: 12
-    bytes a parameter in fp32, ~6 in dynamic8) -- the first run's files are deleted before the resumed run."""
+    """Bytes of disk `--big` needs at its peak: the store's extent files (the states, plus at most 1 GiB of
+    preallocation per file and a few sub-groups of copy-on-write: 5% and 2 GiB cover them) and, with the resume
+    check, the checkpoint (fp32 master and states: 12 bytes a parameter in fp32, ~6 in dynamic8) -- the first
+    run's files are deleted before the resumed run."""
     per = 16 if states == "fp32" else 10  # bytes per parameter in the store
     ckpt = (12 if states == "fp32" else 6) if resume else 0  # bytes per parameter in the checkpoint
-    return int(params * (per * 7 / 6 + ckpt))
+    return int(params * (per * 1.05 + ckpt)) + (2 << 30)
 
 
 def run(args) -> int:
