@@ -34,6 +34,20 @@ three gradients from them in backward, after the backward gather put the values 
 torch's Linear backward (grad @ W, grad^T @ x, sum of grad); under torch.autocast the products run in the
 autocast dtype, as nn.Linear's do. ``remove()`` restores the class's forward.
 
+[Note: kept at the turn]
+Backward needs first what forward used last, so releasing the forward's last buckets only to gather (read,
+all-gather) them again a moment later moves their bytes twice. Once the trace ([Note: trace] in
+prefetch.py) says the forward is within its last max(1, prefetch_depth) module calls, a bucket those calls
+release is held instead (``_turn``, in release order; only with grad enabled, not in a recomputation). At
+the forward's end the most recently released of them that fit in ``reuse_bytes`` (OffloadConfig; bytes of
+gathered buckets) stay held and in the protocol view ([Note: bucket residency]) -- the same decision on
+every rank, from the shared trace and layout, so no rank's collectives change -- and the rest are released.
+Backward finds them held and gathers nothing for them; its usual rules release them (gradients complete,
+end of backward). A forward that starts before any backward came (evaluation, two forwards then one
+backward) and ``gathered()`` release them first, so nothing stale is ever used. The first forward (still
+recording the trace) keeps nothing. Memory: at most ``reuse_bytes`` more held between forward and backward,
+where backward's prefetch would hold its first buckets anyway.
+
 [Note: activation recomputation]
 torch.utils.checkpoint runs a module's forward again inside backward (non-reentrant: when a backward node
 unpacks a tensor the first forward did not keep; reentrant: a nested backward over the recomputed graph).
@@ -96,6 +110,7 @@ class CoordinatorStats:
     reads_in_flight: int  # shards read ahead and not yet used or dropped
     gathers_in_flight: int  # all-gathers posted ahead and not yet used or dropped
     in_forward: bool  # a forward of the model is running (a recomputation inside backward included)
+    kept_at_turn: int  # buckets the end of forward kept for backward, not gathered again ([Note: kept at the turn])
 
 
 class ParamCoordinator:
@@ -105,6 +120,7 @@ class ParamCoordinator:
                  fetch_shard: Callable[[int], torch.Tensor], grad_sink: PartitionSink, *,
                  device: torch.device, group=None, quantized_weights: bool = False,
                  quantized_gradients: bool = False, intra_node_size: int | None = None, prefetch_depth: int = 0,
+                 reuse_bytes: int = 0,
                  lend_shard: Callable[[int], tuple[torch.Tensor, Callable[[], None]] | None] | None = None):
         self.model = model
         self.layout = layout
@@ -113,6 +129,9 @@ class ParamCoordinator:
         self.group = group
         self.qwz = quantized_weights
         self.prefetch_depth = prefetch_depth
+        self.reuse_bytes = reuse_bytes  # [Note: kept at the turn]
+        self._turn: dict[int, None] = {}  # gids held past their release near the forward's end, in release order
+        self.kept_at_turn = 0
         self.phase = Phase.IDLE  # [Note: phases]
         self._depth = 0  # nesting of the root module's forward
         self._bw_task = -1  # autograd graph task of the backward in progress
@@ -200,7 +219,7 @@ class ParamCoordinator:
             eager_reductions=self.eager_reductions, early_reductions=self.early_reductions,
             rereductions=self.rereductions, grad_bytes=self.grad_bytes, peak_grad_bytes=self.peak_grad_bytes,
             buckets_held=frozenset(self.residency.live), reads_in_flight=pf.reads_in_flight,
-            gathers_in_flight=pf.gathers_in_flight, in_forward=self._depth > 0)
+            gathers_in_flight=pf.gathers_in_flight, in_forward=self._depth > 0, kept_at_turn=self.kept_at_turn)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -274,11 +293,44 @@ class ParamCoordinator:
 
     def release(self, gid: int, *, local_only: bool = False) -> None:
         """Drop bucket `gid`'s gathered values ([Note: bucket residency] in bucket_residency.py)."""
+        self._turn.pop(gid, None)
         self.residency.release(gid, local_only=local_only)
 
     def release_all(self) -> None:
         self.prefetcher.drop()
+        self._turn.clear()
         self.residency.release_all()
+
+    def release_kept(self) -> None:
+        """Release the buckets the last forward kept for a backward that has not come
+        ([Note: kept at the turn])."""
+        for gid in list(self._turn):
+            if not self.residency.in_use(gid):
+                self.release(gid)
+        self._turn.clear()
+
+    def _near_turn(self) -> bool:
+        """Whether a bucket released now is held for backward: the trace says the forward is within its last
+        max(1, prefetch_depth) module calls ([Note: kept at the turn])."""
+        tr = self.trace
+        return (self.reuse_bytes > 0 and not tr.recording and torch.is_grad_enabled()
+                and tr.pos > len(tr.order) - max(1, self.prefetch_depth))
+
+    def _keep_for_backward(self) -> None:
+        """The forward's end: of the buckets held near the turn, the most recently released that fit in
+        reuse_bytes stay; the others go ([Note: kept at the turn])."""
+        budget = self.reuse_bytes if self.schedule.entries else 0  # no entry: no backward will use them
+        keep: dict[int, None] = {}
+        for gid in reversed(list(self._turn)):
+            b = self.layout.bucket(gid)
+            nbytes = b.numel * b.dtype.itemsize
+            if gid in self.residency.live and nbytes <= budget:
+                budget -= nbytes
+                keep[gid] = None
+            elif not self.residency.in_use(gid):
+                self.release(gid)
+        self._turn = keep
+        self.kept_at_turn += len(keep)
 
     # -- forward --------------------------------------------------------------------------------------
     def _root_pre(self, module, args) -> None:
@@ -288,6 +340,8 @@ class ParamCoordinator:
             self.reducer.drop_grads()
             self._reset_backward(aborted=True)
         if self._depth == 0 and self.phase is Phase.IDLE:
+            if self._turn:  # kept for a backward that did not come ([Note: kept at the turn])
+                self.release_kept()
             self.phase = Phase.FORWARD
             self._calls.clear()
             self.trace.begin()
@@ -303,7 +357,10 @@ class ParamCoordinator:
             self.trace.end()
             self.prefetcher.drop()
             if self.phase is Phase.FORWARD:  # buckets kept for a module predicted next (see _post_forward)
-                self.residency.release_unused()
+                self._keep_for_backward()  # [Note: kept at the turn]
+                for gid in list(self.residency.live):
+                    if gid not in self._turn and not self.residency.in_use(gid):
+                        self.release(gid)
                 self.phase = Phase.IDLE
                 if self.events:
                     self.events.emit("forward_end")
@@ -355,9 +412,14 @@ class ParamCoordinator:
         # the same prediction on every rank, so the same all-gathers are skipped everywhere
         keep = () if recompute or not self.prefetcher.enabled else {
             g for mid in self.trace.upcoming(self.prefetch_depth) for g in self._module_gids.get(mid, ())}
+        turn = not recompute and self._near_turn()  # [Note: kept at the turn]
         for g in gids:
             if self.residency.leave(g) and g not in keep and not recompute:
-                self.release(g)
+                if turn:
+                    self._turn.pop(g, None)
+                    self._turn[g] = None  # released last (so far)
+                else:
+                    self.release(g)
             # inside backward the recomputed graph's nodes read these parameters next: the buckets stay until
             # the backward releases them ([Note: activation recomputation])
 
@@ -374,6 +436,7 @@ class ParamCoordinator:
         self._bw_task = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
         self.schedule.begin()
+        self._turn.clear()  # the buckets kept for backward are its own now ([Note: kept at the turn])
         self.residency.begin_backward((e.gids for e in self.schedule.entries), self.reducer.trains)
         self.reducer.begin()
         if self.events:

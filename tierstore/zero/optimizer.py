@@ -255,7 +255,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
                                         shared_master=self._shared_master, fused8=fused8, device=self.device,
                                         disk=self._disk)
         # [Note: persistent gradient partitions] in grad_partitions.py
-        self._grads = GradPartitions(self.store, config.gradients, self.layout, buffers, self._disk)
+        self._grads = GradPartitions(self.store, config.gradients, self.layout, buffers, self._disk,
+                                     dtype=config.gradient_dtype)  # [Note: gradient dtype on nvme]
         # norms read at every step: the fp16 overflow check, clipping with the previous norm
         self._grads.eager = cdt == torch.float16 or config.clip_mode == "previous_norm"
         self.steps = 0
@@ -265,7 +266,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
             group=process_group, quantized_weights=config.quantized_weights and self.world_size > 1,
             quantized_gradients=config.quantized_gradients and self.world_size > 1,
             intra_node_size=config.intra_node_size, prefetch_depth=config.prefetch_depth,
-            lend_shard=None if config.overlap_step else self._lend_param_shard)
+            reuse_bytes=config.reuse_budget, lend_shard=None if config.overlap_step else self._lend_param_shard)
         self.hpz = Hpz.attach(self.coordinator, config.hpz_partition_size, params_tier=config.params)  # or None
         # [Note: a partitioned model's state dict] in module_state.py: model.state_dict() / load_state_dict()
         self.module_state = ModuleState(model, self.layout, self._params, self.coordinator, self._fetch_param_shard,
@@ -679,6 +680,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
                                           f"managed by this Zero3Optimizer")
             names = list(dict.fromkeys(by_id[id(p)] for p in given))
         self.module_state.check_idle("gathered()")
+        self.coordinator.release_kept()  # values it changes must not reach a kept bucket ([Note: kept at the turn])
         gids = sorted({g for n in names for g in self.layout.param_gids[n]})
         before = set(self.coordinator.residency.live)
         self.coordinator.views = False  # copies: changes made inside stay there ([Note: gathering at world size 1])

@@ -215,8 +215,8 @@ class SubgroupStepper:
                 gid, got = t.gid, t.tensors
                 master = got["master"]
                 grad = got["grad"]
-                if grad.device != master.device:
-                    grad = grad.to(master.device)
+                if grad.device != master.device or grad.dtype != master.dtype:
+                    grad = grad.to(master.device, master.dtype)  # [Note: gradient dtype on nvme]
                 if coef != 1.0:
                     grad.mul_(coef)
                 if t.fused:
