@@ -4,6 +4,8 @@ persistent gradient partitions] in grad_partitions.py), and the disk bytes it re
 bytes by kind] in disk_bytes.py)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -135,8 +137,9 @@ def test_the_forwards_last_buckets_are_not_read_again_by_backward(tmp_path):
     kept = sum(layout.bucket(g).numel * 4 for g in held)  # bytes
     assert held and held <= last and 0 < kept <= config.reuse_budget == 2 * config.sub_group_bytes
     assert read["params"] == read0["params"] - kept  # those buckets were not read again
-    assert written == written0 and {k: v for k, v in read.items() if k != "params"} == \
-        {k: v for k, v in read0.items() if k != "params"}
+    # (the masters backward read are taken by the step too: [Note: masters at hand])
+    assert written == written0 and {k: v for k, v in read.items() if k not in ("params", "master")} == \
+        {k: v for k, v in read0.items() if k not in ("params", "master")}
 
 
 # -- the overlapped step ([Note: overlapped step] in optimizer.py) ---------------------------------------------
@@ -302,3 +305,79 @@ def test_gradient_dtype_is_fp32_or_the_compute_dtype(tmp_path):
         cfg(tmp_path, gradient_dtype=torch.bfloat16)  # fp32 compute
     with pytest.raises(TierstoreValueError, match="reuse_bytes"):
         cfg(tmp_path, reuse_bytes=-1)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_step_takes_the_masters_backward_read_instead_of_reading_them_again(tmp_path, overlap):
+    """[Note: masters at hand]: fp32, world size 1, everything on nvme: the bucket backward gathered is the
+    master; the step uses it instead of reading it again (within reuse_bytes), and training stays bit-equal to
+    torch."""
+    reads = {}
+    for reuse in (0, None):
+        torch.manual_seed(0)
+        m = Deep(layers=4, width=64)
+        ref = copy.deepcopy(m)
+        opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(
+            tmp_path / str(reuse), params="nvme", states="nvme", grads="nvme", reuse_bytes=reuse,
+            overlap_step=overlap, sub_group_bytes=64 * 64 * 4 + 1024))
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        try:
+            for _ in range(3):
+                x = torch.randn(4, 64)
+                before = opt.stats().disk_read["master"]
+                m(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                ref(x).sum().backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                reads.setdefault(reuse, []).append(opt.stats().disk_read["master"] - before)
+            full = opt.full_state_dict()
+            for n, p in ref.named_parameters():
+                assert torch.equal(full[n], p.detach()), n
+            taken = opt._stepper.masters_at_hand
+            assert (taken == 0) == (reuse == 0), taken
+        finally:
+            opt.close()
+    shard = sum(opt.layout.shard_numel(g) for g in opt.layout.trainable_gids()) * 4  # bytes
+    assert reads[0] == [shard] * 3
+    # at most 2 x sub_group_bytes of masters kept for the step: the last layer's sub-groups backward released
+    # (the first layer's weight and the packed biases); overlapped, each is stepped as soon as backward
+    # releases it, so most are at hand
+    weight = 64 * 64 * 4  # bytes
+    assert all(r <= shard - (2 * weight if overlap else weight) for r in reads[None]), reads
+
+
+def test_8bit_states_are_one_extent_each_scales_and_codes_together(tmp_path):
+    """Issue 12, build item 3: a sub-group's 8-bit moment is stored as one tensor -- the blocks' absmax
+    (scales) then the codes ([Note: packed layout] in quant/packed.py) -- so one extent of the nvme tier, read
+    and written with one request; the step's disk bytes for states are exactly those (and the step counts)."""
+    from tierstore.quant import packed
+    from tierstore.tiers.nvme.extents import Extent
+    torch.manual_seed(0)
+    m = Deep(layers=2, width=64)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(
+        tmp_path, params="nvme", states="nvme", grads="nvme", state_codec="dynamic8", sub_group_bytes=64 * 64 * 4))
+    try:
+        x = torch.randn(4, 64)
+        for _ in range(2):
+            before = opt.stats().disk_read["states"]
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        read = opt.stats().disk_read["states"] - before
+        expect = 0
+        packed_states = 0
+        for gid in opt.layout.trainable_gids():
+            for k in opt._stepper.state_keys[gid]:
+                t = opt.store.tensor(keys.state(gid, k))
+                copy_ = t._p.copies["nvme"]
+                assert isinstance(copy_, Extent) and copy_.length == t.encoded_nbytes  # one extent, all of it
+                expect += t.encoded_nbytes
+                if opt._states8.is_packed(gid, k):
+                    scheme, n = opt._states8.packed[(gid, k)]
+                    assert t.dtype == torch.uint8 and t.encoded_nbytes == packed.nbytes(scheme, n, 256)
+                    packed_states += 1
+        assert packed_states >= 2 and read == expect
+    finally:
+        opt.close()

@@ -54,10 +54,9 @@ class OffloadConfig:
         from the store and copied to the device 2 x depth modules ahead, all-gathers posted depth ahead
         (world size > 1).
     reuse_bytes: gathered parameters the end of forward keeps for the start of backward (bytes, per rank;
-        DeepSpeed's stage3_max_reuse_distance in spirit): the buckets of the forward's last
-        max(1, prefetch_depth) module calls, the last first, as long as they total at most this, are not
-        released and gathered (read) again -- backward needs them first. None (default): 2 x sub_group_bytes;
-        0: off. See [Note: kept at the turn] in hooks.py.
+        DeepSpeed's stage3_max_reuse_distance in spirit): the buckets the forward's last module calls use,
+        as many as fit in this, are not released and gathered (read) again -- backward needs them first.
+        None (default): 2 x sub_group_bytes; 0: off. See [Note: kept at the turn] in hooks.py.
     sub_group_bytes: bytes of one bucket (a sub-group of the step pipeline), all ranks together.
     min_io_bytes: small parameters are packed until each rank's shard of a bucket reaches this (bytes).
     pinned_bytes: page-locked staging budget the nvme tier streams through (bytes).

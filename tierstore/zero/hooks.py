@@ -37,16 +37,19 @@ autocast dtype, as nn.Linear's do. ``remove()`` restores the class's forward.
 [Note: kept at the turn]
 Backward needs first what forward used last, so releasing the forward's last buckets only to gather (read,
 all-gather) them again a moment later moves their bytes twice. Once the trace ([Note: trace] in
-prefetch.py) says the forward is within its last max(1, prefetch_depth) module calls, a bucket those calls
-release is held instead (``_turn``, in release order; only with grad enabled, not in a recomputation). At
-the forward's end the most recently released of them that fit in ``reuse_bytes`` (OffloadConfig; bytes of
-gathered buckets) stay held and in the protocol view ([Note: bucket residency]) -- the same decision on
-every rank, from the shared trace and layout, so no rank's collectives change -- and the rest are released.
+prefetch.py) says the buckets of the calls after the current one fit in ``reuse_bytes`` (OffloadConfig;
+bytes of gathered buckets), a bucket the current call releases is held instead (``_turn``, in release
+order; only with grad enabled, not in a recomputation): so forward holds at most ``reuse_bytes`` plus one
+call's buckets more than it would. At the forward's end the most recently released of them that fit in
+``reuse_bytes`` stay held and in the protocol view ([Note: bucket residency]) -- the same decision on every
+rank, from the shared trace and layout, so no rank's collectives change -- and the rest are released.
 Backward finds them held and gathers nothing for them; its usual rules release them (gradients complete,
-end of backward). A forward that starts before any backward came (evaluation, two forwards then one
+end of backward), and at world size 1 hand what they release to the step ([Note: masters at hand] in
+stepper.py). A forward that starts before any backward came (evaluation, two forwards then one
 backward) and ``gathered()`` release them first, so nothing stale is ever used. The first forward (still
 recording the trace) keeps nothing. Memory: at most ``reuse_bytes`` more held between forward and backward,
-where backward's prefetch would hold its first buckets anyway.
+where backward's prefetch would hold its first buckets anyway; the module order and sizes decide what is
+kept, identically on every rank.
 
 [Note: activation recomputation]
 torch.utils.checkpoint runs a module's forward again inside backward (non-reentrant: when a backward node
@@ -131,6 +134,8 @@ class ParamCoordinator:
         self.prefetch_depth = prefetch_depth
         self.reuse_bytes = reuse_bytes  # [Note: kept at the turn]
         self._turn: dict[int, None] = {}  # gids held past their release near the forward's end, in release order
+        self._suffix: list[int] = []  # bytes of the buckets the trace's calls from each position on use
+        self._suffix_key: tuple | None = None  # the trace those were computed for
         self.kept_at_turn = 0
         self.phase = Phase.IDLE  # [Note: phases]
         self._depth = 0  # nesting of the root module's forward
@@ -152,6 +157,9 @@ class ParamCoordinator:
         # world size 1: called with each bucket whose gradient became final (complete and reduced) during
         # backward, to step it ([Note: overlapped step] in optimizer.py); None: nothing to do
         self.on_final: Callable[[int], None] | None = None
+        # world size 1: called with each bucket backward releases and its values, once nothing here refers to
+        # them ([Note: masters at hand] in stepper.py); None: nothing to do
+        self.on_backward_release: Callable[[int, torch.Tensor], None] | None = None
         # -- prefetch ([Note: prefetch stages] in prefetch.py)
         # a lent shard is not read ahead: using it costs nothing
         self.prefetcher = Prefetcher(layout, fetch_shard,
@@ -309,12 +317,26 @@ class ParamCoordinator:
                 self.release(gid)
         self._turn.clear()
 
-    def _near_turn(self) -> bool:
-        """Whether a bucket released now is held for backward: the trace says the forward is within its last
-        max(1, prefetch_depth) module calls ([Note: kept at the turn])."""
+    def _near_turn(self, index: int | None) -> bool:
+        """Whether a bucket the call at trace position `index` releases is held for backward: the buckets of
+        the calls after it fit in reuse_bytes ([Note: kept at the turn])."""
         tr = self.trace
-        return (self.reuse_bytes > 0 and not tr.recording and torch.is_grad_enabled()
-                and tr.pos > len(tr.order) - max(1, self.prefetch_depth))
+        if self.reuse_bytes <= 0 or index is None or tr.recording or not torch.is_grad_enabled():
+            return False
+        key = (id(tr.order), len(tr.order), tr.rebuilds)
+        if self._suffix_key != key:  # the trace changed: bytes of the buckets used from each position on
+            seen: set[int] = set()
+            total = 0
+            suffix = [0] * (len(tr.order) + 1)
+            for i in range(len(tr.order) - 1, -1, -1):
+                for g in self._module_gids.get(tr.order[i], ()):
+                    if g not in seen:
+                        seen.add(g)
+                        b = self.layout.bucket(g)
+                        total += b.numel * b.dtype.itemsize
+                suffix[i] = total
+            self._suffix, self._suffix_key = suffix, key
+        return index + 1 < len(self._suffix) and self._suffix[index + 1] <= self.reuse_bytes
 
     def _keep_for_backward(self) -> None:
         """The forward's end: of the buckets held near the turn, the most recently released that fit in
@@ -412,7 +434,7 @@ class ParamCoordinator:
         # the same prediction on every rank, so the same all-gathers are skipped everywhere
         keep = () if recompute or not self.prefetcher.enabled else {
             g for mid in self.trace.upcoming(self.prefetch_depth) for g in self._module_gids.get(mid, ())}
-        turn = not recompute and self._near_turn()  # [Note: kept at the turn]
+        turn = not recompute and self._near_turn(call.index)  # [Note: kept at the turn]
         for g in gids:
             if self.residency.leave(g) and g not in keep and not recompute:
                 if turn:
@@ -483,7 +505,12 @@ class ParamCoordinator:
         self.schedule.arrived(self.layout.param_gids[name])
         for gid in self.reducer.arrived(name):  # complete now
             if not self.residency.in_use(gid):
+                lent = self._lent.get(gid, False) or self._world > 1  # not this rank's own copy
+                full = None if lent or self.on_backward_release is None else self.residency.live.get(gid)
                 self.release(gid, local_only=True)
+                if full is not None and self.on_backward_release is not None:
+                    self.on_backward_release(gid, full)
+                del full
             if self._world == 1 and gid not in self.reducer.reduced:  # no collective: reduce right away
                 # final: stepped now, unless its bucket is still held (a forward running needs its values)
                 on_final = self.on_final if gid not in self.residency.live else None

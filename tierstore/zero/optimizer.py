@@ -268,6 +268,10 @@ class Zero3Optimizer(torch.optim.Optimizer):
             intra_node_size=config.intra_node_size, prefetch_depth=config.prefetch_depth,
             reuse_bytes=config.reuse_budget, lend_shard=None if config.overlap_step else self._lend_param_shard)
         self.hpz = Hpz.attach(self.coordinator, config.hpz_partition_size, params_tier=config.params)  # or None
+        # [Note: masters at hand] in stepper.py: backward's gathered masters read from nvme, kept for the step
+        if (self._shared_master and self.world_size == 1 and not tier_info(config.optimizer_states).memory
+                and config.reuse_budget > 0):
+            self.coordinator.on_backward_release = self._offer_master
         # [Note: a partitioned model's state dict] in module_state.py: model.state_dict() / load_state_dict()
         self.module_state = ModuleState(model, self.layout, self._params, self.coordinator, self._fetch_param_shard,
                                         self._read_master, self._write_master, device=self.device, group=process_group)
@@ -462,6 +466,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
     def _write_master(self, gid: int, master: torch.Tensor) -> None:
         """Replace this rank's shard of sub-group `gid` (fp32 values): master and compute-dtype shard."""
         cfg = self.config
+        self._stepper.drop_at_hand()
         trainable = self.layout.group_of(gid).trainable
         if trainable:
             self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
@@ -587,6 +592,18 @@ class Zero3Optimizer(torch.optim.Optimizer):
     # gradient is final (a use that takes no gradient, on demand) reads the stepped value -- keep
     # overlap_step off for such a model.
 
+    def _offer_master(self, gid: int, full: torch.Tensor) -> None:
+        """The coordinator released bucket `gid` in backward: hand its values to the step when they are
+        exactly the master's and nothing else refers to them ([Note: masters at hand] in stepper.py)."""
+        if (not self.layout.group_of(gid).trainable or full.dtype != torch.float32 or not full.is_contiguous()
+                or full.numel() != self.layout.shard_numel(gid) or full.device != self.device):
+            return
+        # `full`, the untyped storage asked here and `full`'s base (an aligned allocation) if it is a view; a
+        # view saved by autograd would be one more
+        if torch._C._storage_Use_Count(full.untyped_storage()._cdata) > 2 + (full._base is not None):
+            return
+        self._stepper.offer(gid, full, self.config.reuse_budget)
+
     def _step_final(self, gid: int) -> None:
         """The coordinator's on_final: step sub-group `gid` now, on the stream."""
         self._grads.stepped.add(gid)
@@ -643,6 +660,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
             self._stepper.step([g for g in plan if g not in stepped], coef)
         finally:
             self._skipped.runs = {}  # this step's: an overlapped step of the next one must not see them
+            self._stepper.drop_at_hand()  # [Note: masters at hand]: the masters changed
         self._scaler.update(False)
         self._clip_coef = 1.0
         self._prev_clip, self._next_clip = self._next_clip, None
@@ -655,6 +673,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if self._stream is not None:
             self._stream.wait()  # nothing may still be stepping what is forgotten
         self._grads.clear()  # the partitions' memory is kept ([Note: persistent gradient partitions])
+        self._stepper.drop_at_hand()
         self._clip_coef = 1.0
         self._clipped = False
         self.coordinator.clear_grad_flags()
@@ -681,6 +700,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
             names = list(dict.fromkeys(by_id[id(p)] for p in given))
         self.module_state.check_idle("gathered()")
         self.coordinator.release_kept()  # values it changes must not reach a kept bucket ([Note: kept at the turn])
+        self._stepper.drop_at_hand()
         gids = sorted({g for n in names for g in self.layout.param_gids[n]})
         before = set(self.coordinator.residency.live)
         self.coordinator.views = False  # copies: changes made inside stay there ([Note: gathering at world size 1])
@@ -743,6 +763,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         """Replace trainable sub-group `gid`'s master shard (and parameter shard), states and aux state on
         this rank (what export_subgroup returns; `state` empty: a sub-group no step reached)."""
         cfg = self.config
+        self._stepper.drop_at_hand()
         master = master.to(self.device, torch.float32)
         self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
         if not self._shared_master:
