@@ -335,7 +335,7 @@ def test_the_step_takes_the_masters_backward_read_instead_of_reading_them_again(
             full = opt.full_state_dict()
             for n, p in ref.named_parameters():
                 assert torch.equal(full[n], p.detach()), n
-            taken = opt._stepper.masters_at_hand
+            taken = opt.stats().masters_at_hand
             assert (taken == 0) == (reuse == 0), taken
         finally:
             opt.close()

@@ -132,6 +132,9 @@ class OptimizerStats:
     disk_read: dict[str, int]
     disk_written: dict[str, int]
     overlapped: int  # sub-group steps done during backward ([Note: overlapped step])
+    # sub-group steps that took the master backward had read from nvme instead of reading it again ([Note: masters
+    # at hand] in stepper.py)
+    masters_at_hand: int
 
 
 class Zero3Optimizer(torch.optim.Optimizer):
@@ -505,7 +508,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
                               quantized_states=len(self._states8.packed), fused_steps=self._stepper.fused_steps,
                               partly_skipped=self._skipped.partly_skipped,
                               disk_read={k: self._disk.read[k] for k in KINDS},
-                              disk_written={k: self._disk.written[k] for k in KINDS}, overlapped=self._overlapped)
+                              disk_written={k: self._disk.written[k] for k in KINDS}, overlapped=self._overlapped,
+                              masters_at_hand=self._stepper.masters_at_hand)
 
     def _global_grad_stats(self) -> tuple[float, bool]:
         sq, bad = self._grads.sum_squares()
