@@ -414,7 +414,7 @@ def sc_prefetch(rank, world, root):
     out["counters"] = {"before_change": before_change, "hits": st.gather_hits, "dropped": st.gathers_dropped,
                        "ahead": st.gathers_ahead, "most_ahead": st.most_ahead, "rebuilds": st.trace_rebuilds,
                        "staged": st.staged, "copies": st.staged_copies, "pending": st.gathers_in_flight,
-                       "most_per_module": most_buckets_per_module(m, opt.layout)}
+                       "most_per_module": most_buckets_per_module(m, opt.layout), "kept": st.kept_at_turn}
     opt.close()
     return out
 
@@ -757,6 +757,7 @@ def test_all_gathers_posted_ahead_are_used_and_an_order_change_neither_hangs_nor
     assert 0 < c["pending"] <= c["most_per_module"]
     assert 0 < c["most_ahead"] <= c["most_per_module"]  # at most prefetch_depth (1) modules' buckets ahead
     assert c["staged"] > 0 and c["copies"] == 0  # reads ahead went through the host->device stage (CPU: as is)
+    assert c["kept"] > 0  # the forward's last buckets stayed for backward, on every rank ([Note: kept at the turn])
     rel = max_rel(res[0]["prefetch"], ref)
     assert rel <= 1e-5, rel
 

@@ -4,6 +4,8 @@ persistent gradient partitions] in grad_partitions.py), and the disk bytes it re
 bytes by kind] in disk_bytes.py)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -88,18 +90,22 @@ def test_accumulation_into_kept_partitions_is_exact(tmp_path):
             opt.close()
 
 
-def test_disk_bytes_by_kind_match_the_store_and_the_sizes(tmp_path):
+def _one_nvme_step(tmp_path, **kw):
+    """(disk bytes read, written by kind in the second step, buckets held between its forward and backward,
+    the optimizer's layout and config) of Deep(2, 64) with everything on nvme."""
     torch.manual_seed(0)
     m = Deep(layers=2, width=64)
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(tmp_path, params="nvme", states="nvme",
-                                                                    grads="nvme", prefetch_depth=0))
+                                                                    grads="nvme", prefetch_depth=0, **kw))
     try:
         x = torch.randn(4, 64)
         m(x).sum().backward()
         opt.step()
         opt.zero_grad()
         before, nv0 = opt.stats(), opt.store.stats()["nvme"]
-        m(x).sum().backward()
+        y = m(x).sum()
+        held = opt.coordinator.stats().buckets_held  # kept for backward ([Note: kept at the turn])
+        y.backward()
         opt.step()
         opt.zero_grad()
         after, nv1 = opt.stats(), opt.store.stats()["nvme"]
@@ -107,14 +113,33 @@ def test_disk_bytes_by_kind_match_the_store_and_the_sizes(tmp_path):
         written = {k: after.disk_written[k] - before.disk_written[k] for k in after.disk_written}
         assert sum(read.values()) == nv1["bytes_out"] - nv0["bytes_out"]
         assert sum(written.values()) == nv1["bytes_in"] - nv0["bytes_in"]
-        shard = sum(opt.layout.shard_numel(g) for g in opt.layout.trainable_gids()) * 4  # bytes, fp32
-        # fp32 and params with the states: the master is the parameter shard ([Note: shared master])
-        assert written == {"params": 0, "grads": shard, "master": shard, "states": written["states"]}
-        assert written["states"] >= 2 * shard  # exp_avg, exp_avg_sq (and the step counts)
-        assert read["grads"] == shard and read["master"] == shard and read["states"] == written["states"]
-        assert read["params"] >= 2 * shard  # gathered for forward and again for backward
+        return read, written, held, opt.layout, opt.config
     finally:
         opt.close()
+
+
+def test_disk_bytes_by_kind_match_the_store_and_the_sizes(tmp_path):
+    read, written, held, layout, _ = _one_nvme_step(tmp_path / "a", reuse_bytes=0)
+    assert not held
+    shard = sum(layout.shard_numel(g) for g in layout.trainable_gids()) * 4  # bytes, fp32
+    # fp32 and params with the states: the master is the parameter shard ([Note: shared master])
+    assert written == {"params": 0, "grads": shard, "master": shard, "states": written["states"]}
+    assert written["states"] >= 2 * shard  # exp_avg, exp_avg_sq (and the step counts)
+    assert read["grads"] == shard and read["master"] == shard and read["states"] == written["states"]
+    assert read["params"] >= 2 * shard  # gathered for forward and again for backward
+
+
+def test_the_forwards_last_buckets_are_not_read_again_by_backward(tmp_path):
+    """[Note: kept at the turn]: the buckets the forward used last stay for backward, within reuse_bytes."""
+    read0, written0, _, layout, _ = _one_nvme_step(tmp_path / "off", reuse_bytes=0)
+    read, written, held, _, config = _one_nvme_step(tmp_path / "on")  # the default budget
+    last = set(layout.param_gids["layers.1.weight"] + layout.param_gids["layers.1.bias"])
+    kept = sum(layout.bucket(g).numel * 4 for g in held)  # bytes
+    assert held and held <= last and 0 < kept <= config.reuse_budget == 2 * config.sub_group_bytes
+    assert read["params"] == read0["params"] - kept  # those buckets were not read again
+    # (the masters backward read are taken by the step too: [Note: masters at hand])
+    assert written == written0 and {k: v for k, v in read.items() if k not in ("params", "master")} == \
+        {k: v for k, v in read0.items() if k not in ("params", "master")}
 
 
 # -- the overlapped step ([Note: overlapped step] in optimizer.py) ---------------------------------------------
@@ -266,5 +291,126 @@ def test_norms_of_nvme_gradients_read_back_once_then_taken_at_hand(tmp_path):
             reads.append(opt.stats().disk_read["grads"] - before)
         assert reads == [2 * shard, shard, shard]  # the step's read, plus the norm's the first time
         assert max_rel(opt.full_state_dict(), ref_m) <= 1e-6
+    finally:
+        opt.close()
+
+
+def _train_bf16(path, micro: int, **kw):
+    """full_state_dict, disk bytes written by kind, and the stored gradient dtype after 3 steps of Net in
+    bfloat16 (AdamW, `micro` micro-batches a step)."""
+    m, _ = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(path, compute_dtype=torch.bfloat16, **kw))
+    try:
+        data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(3 * micro)]
+        for i in range(0, len(data), micro):
+            for x, y in data[i:i + micro]:
+                loss_fn(m, x, y).backward()
+            stored = {opt.store.tensor(keys.grad(g)).dtype for g in opt.layout.trainable_gids()}
+            opt.step()
+            opt.zero_grad()
+        return opt.full_state_dict(), opt.stats().disk_written, stored
+    finally:
+        opt.close()
+
+
+def test_bf16_gradients_on_nvme_are_stored_in_bf16_and_train_as_in_memory(tmp_path):
+    """[Note: gradient dtype on nvme]: half the gradient bytes; one micro-batch at world size 1 holds exactly
+    autograd's bf16 gradients, so training is bit-equal to the same run with every state in memory."""
+    ref, _, _ = _train_bf16(tmp_path / "host", 1, params="host", states="host", grads="host")
+    wide, wide_w, wide_dt = _train_bf16(tmp_path / "fp32", 1, params="nvme", states="nvme", grads="nvme")
+    low, low_w, low_dt = _train_bf16(tmp_path / "bf16", 1, params="nvme", states="nvme", grads="nvme",
+                                     gradient_dtype=torch.bfloat16)
+    assert wide_dt == {torch.float32} and low_dt == {torch.bfloat16}
+    assert low_w["grads"] * 2 == wide_w["grads"] > 0  # half the bytes to the disk
+    assert low_w["master"] == wide_w["master"] and low_w["params"] == wide_w["params"]  # masters stay fp32
+    for n in ref:
+        assert torch.equal(ref[n], wide[n]) and torch.equal(ref[n], low[n]), n
+    # accumulation: the sum is rounded to bf16 where it is written (once per micro-batch but the last)
+    acc_ref, _, _ = _train_bf16(tmp_path / "host2", 2, params="host", states="host", grads="host")
+    acc, _, _ = _train_bf16(tmp_path / "bf16-2", 2, params="nvme", states="nvme", grads="nvme",
+                            gradient_dtype=torch.bfloat16)
+    assert all(torch.allclose(acc[n].float(), acc_ref[n].float(), rtol=0, atol=0.05) for n in acc_ref)
+
+
+def test_gradient_dtype_is_fp32_or_the_compute_dtype(tmp_path):
+    from tierstore.errors import TierstoreValueError
+    with pytest.raises(TierstoreValueError, match="gradient_dtype"):
+        cfg(tmp_path, gradient_dtype=torch.bfloat16)  # fp32 compute
+    with pytest.raises(TierstoreValueError, match="reuse_bytes"):
+        cfg(tmp_path, reuse_bytes=-1)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_step_takes_the_masters_backward_read_instead_of_reading_them_again(tmp_path, overlap):
+    """[Note: masters at hand]: fp32, world size 1, everything on nvme: the bucket backward gathered is the
+    master; the step uses it instead of reading it again (within reuse_bytes), and training stays bit-equal to
+    torch."""
+    reads = {}
+    for reuse in (0, None):
+        torch.manual_seed(0)
+        m = Deep(layers=4, width=64)
+        ref = copy.deepcopy(m)
+        opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(
+            tmp_path / str(reuse), params="nvme", states="nvme", grads="nvme", reuse_bytes=reuse,
+            overlap_step=overlap, sub_group_bytes=64 * 64 * 4 + 1024))
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        try:
+            for _ in range(3):
+                x = torch.randn(4, 64)
+                before = opt.stats().disk_read["master"]
+                m(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                ref(x).sum().backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                reads.setdefault(reuse, []).append(opt.stats().disk_read["master"] - before)
+            full = opt.full_state_dict()
+            for n, p in ref.named_parameters():
+                assert torch.equal(full[n], p.detach()), n
+            taken = opt.stats().masters_at_hand
+            assert (taken == 0) == (reuse == 0), taken
+        finally:
+            opt.close()
+    shard = sum(opt.layout.shard_numel(g) for g in opt.layout.trainable_gids()) * 4  # bytes
+    assert reads[0] == [shard] * 3
+    # at most 2 x sub_group_bytes of masters kept for the step: the last layer's sub-groups backward released
+    # (the first layer's weight and the packed biases); overlapped, each is stepped as soon as backward
+    # releases it, so most are at hand
+    weight = 64 * 64 * 4  # bytes
+    assert all(r <= shard - (2 * weight if overlap else weight) for r in reads[None]), reads
+
+
+def test_8bit_states_are_one_extent_each_scales_and_codes_together(tmp_path):
+    """Issue 12, build item 3: a sub-group's 8-bit moment is stored as one tensor -- the blocks' absmax
+    (scales) then the codes ([Note: packed layout] in quant/packed.py) -- so one extent of the nvme tier, read
+    and written with one request; the step's disk bytes for states are exactly those (and the step counts)."""
+    from tierstore.quant import packed
+    from tierstore.tiers.nvme.extents import Extent
+    torch.manual_seed(0)
+    m = Deep(layers=2, width=64)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(
+        tmp_path, params="nvme", states="nvme", grads="nvme", state_codec="dynamic8", sub_group_bytes=64 * 64 * 4))
+    try:
+        x = torch.randn(4, 64)
+        for _ in range(2):
+            before = opt.stats().disk_read["states"]
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        read = opt.stats().disk_read["states"] - before
+        expect = 0
+        packed_states = 0
+        for gid in opt.layout.trainable_gids():
+            for k in opt._stepper.state_keys[gid]:
+                t = opt.store.tensor(keys.state(gid, k))
+                copy_ = t._p.copies["nvme"]
+                assert isinstance(copy_, Extent) and copy_.length == t.encoded_nbytes  # one extent, all of it
+                expect += t.encoded_nbytes
+                if opt._states8.is_packed(gid, k):
+                    scheme, n = opt._states8.packed[(gid, k)]
+                    assert t.dtype == torch.uint8 and t.encoded_nbytes == packed.nbytes(scheme, n, 256)
+                    packed_states += 1
+        assert packed_states >= 2 and read == expect
     finally:
         opt.close()

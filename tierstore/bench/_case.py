@@ -3,7 +3,8 @@
 
 Cases: torch-fused / torch-foreach (torch.optim.AdamW in memory, the reference), host (Zero3Optimizer over
 AdamW(fused=True), as the reference, with parameters, gradients, master and states on the host tier), nvme (all
-of them on the nvme tier), nvme8 (nvme with state_codec="dynamic8"), nvme-overlap (nvme with overlap_step).
+of them on the nvme tier), nvme8 (nvme with state_codec="dynamic8"), nvme-overlap (nvme with overlap_step),
+nvme-noreuse (nvme with reuse_bytes=0: what is at hand is read again).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 TORCH_CASES: dict[str, dict] = {"torch-fused": {"fused": True}, "torch-foreach": {"foreach": True}}
 # case -> (tier of everything, state codec, OffloadConfig.overlap_step)
 TIERSTORE_CASES = {"host": ("host", None, False), "nvme": ("nvme", None, False), "nvme8": ("nvme", "dynamic8", False),
-                   "nvme-overlap": ("nvme", None, True)}
+                   "nvme-overlap": ("nvme", None, True), "nvme-noreuse": ("nvme", None, False)}
 
 
 def offload_config(case: str, spec: dict):
@@ -25,7 +26,8 @@ def offload_config(case: str, spec: dict):
     return OffloadConfig(params=tier, optimizer_states=tier, gradients=tier,
                          nvme_paths=[os.path.join(spec["dir"], case)] if tier == "nvme" else None,
                          state_codec=codec, sub_group_bytes=spec["sub_group_bytes"],
-                         pinned_bytes=spec["pinned_bytes"], overlap_step=overlap)
+                         pinned_bytes=spec["pinned_bytes"], overlap_step=overlap,
+                         reuse_bytes=0 if case == "nvme-noreuse" else None)
 
 
 def tier_bytes(opt) -> dict[str, int]:

@@ -28,9 +28,12 @@ TORCH = ("torch-fused", "torch-foreach")
 TIERSTORE = ("host", "nvme", "nvme8", "nvme-overlap")
 DEEPSPEED = ("ds-offload", "ds-infinity")
 ALL = TORCH + TIERSTORE + DEEPSPEED
+# run only when named in --cases: the nvme tier without OffloadConfig.reuse_bytes, to measure what it saves
+OPTIONAL = ("nvme-noreuse",)
 LABELS = {"torch-fused": "torch AdamW(fused), in memory", "torch-foreach": "torch AdamW(foreach), in memory",
           "host": "tierstore host tier", "nvme": "tierstore nvme tier", "nvme8": "tierstore nvme + dynamic8",
           "nvme-overlap": "tierstore nvme, step overlapping backward (overlap_step)",
+          "nvme-noreuse": "tierstore nvme, reuse_bytes=0 (reads again what is at hand)",
           "ds-offload": "DeepSpeed ZeRO-3 ZeRO-Offload", "ds-infinity": "DeepSpeed ZeRO-3 ZeRO-Infinity",
           "raw-read": "raw engine: read the nvme step's bytes", "raw-write": "raw engine: write them",
           "raw-both": "raw engine: read + write at once"}
@@ -49,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser, model: str) -> None:
         p.add_argument("--params", type=float, default=8e6, help="parameters of the GPT (default 8M: 4 layers)")
         p.add_argument("--context", type=int, default=256, help="tokens per sequence")
         p.add_argument("--batch", type=int, default=2, help="sequences per step")
-    p.add_argument("--cases", default=",".join(ALL), help=f"comma-separated subset of {','.join(ALL)}")
+    p.add_argument("--cases", default=",".join(ALL), help=f"comma-separated subset of {','.join(ALL)} (also: "
+                   f"{','.join(OPTIONAL)})")
     p.add_argument("--rounds", type=int, default=3, help="timed steps per case, alternated A B A B (3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per case before the first round (2)")
     p.add_argument("--dir", default=None, help="directory on the disk under test (default: a temp dir in .)")
@@ -188,9 +192,9 @@ class RawEngine:
 
 def run(args, model: str, name: str) -> int:
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    bad = [c for c in cases if c not in ALL]
+    bad = [c for c in cases if c not in ALL + OPTIONAL]
     if bad or not cases:
-        raise SystemExit(f"bench {name}: unknown case(s) {bad}; choose from {','.join(ALL)}")
+        raise SystemExit(f"bench {name}: unknown case(s) {bad}; choose from {','.join(ALL + OPTIONAL)}")
     load0 = os.getloadavg()
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
@@ -299,6 +303,7 @@ def summarize(samples: dict[str, list[dict]], final: dict[str, dict], ready: dic
         put(f"{c}/torch-fused full", c, "torch-fused")
     put("nvme8 speedup over nvme, full", "nvme", "nvme8")
     put("nvme-overlap speedup over nvme, full", "nvme", "nvme-overlap")
+    put("nvme speedup over nvme-noreuse (reuse_bytes), full", "nvme-noreuse", "nvme")
     if "nvme" in med and "torch-fused" in med and "raw-both" in med:
         ratios["nvme full / max(torch-fused full, raw read+write at once)"] = \
             med["nvme"]["full"] / max(med["torch-fused"]["full"], med["raw-both"]["full"])

@@ -34,7 +34,12 @@ class OffloadConfig:
 
     params: tier of this rank's parameter shards in the compute dtype (gathered before use).
     optimizer_states: tier of the fp32 master shards and the optimizer's states.
-    gradients: tier of this rank's fp32 gradient partition (accumulated between steps).
+    gradients: tier of this rank's gradient partition (accumulated between steps; fp32, see gradient_dtype).
+    gradient_dtype: dtype the gradient partitions are stored in on a persistent (nvme) tier: torch.float32
+        (default: exact accumulation) or the compute dtype (bfloat16 / float16: half the gradient bytes to and
+        from the disk; the accumulated partition is rounded to it each time it is written). Masters and states
+        stay fp32; on memory tiers the partitions stay fp32. See [Note: gradient dtype on nvme] in
+        grad_partitions.py.
     nvme_paths: directories (one per drive) for the nvme tier; each rank uses ``<path>/rank<r>``. Needed when
         any tier is 'nvme'; otherwise a temporary directory holds the store's (empty) files.
     state_codec: None (fp32 states) or 'dynamic8' (exp_avg / exp_avg_sq in block-wise dynamic 8 bits when
@@ -48,6 +53,10 @@ class OffloadConfig:
     prefetch_depth: modules ahead of use whose buckets are prepared (traced prefetch; 0: off): shards read up
         from the store and copied to the device 2 x depth modules ahead, all-gathers posted depth ahead
         (world size > 1).
+    reuse_bytes: gathered parameters the end of forward keeps for the start of backward (bytes, per rank;
+        DeepSpeed's stage3_max_reuse_distance in spirit): the buckets the forward's last module calls use,
+        as many as fit in this, are not released and gathered (read) again -- backward needs them first.
+        None (default): 2 x sub_group_bytes; 0: off. See [Note: kept at the turn] in hooks.py.
     sub_group_bytes: bytes of one bucket (a sub-group of the step pipeline), all ranks together.
     min_io_bytes: small parameters are packed until each rank's shard of a bucket reaches this (bytes).
     pinned_bytes: page-locked staging budget the nvme tier streams through (bytes).
@@ -79,7 +88,9 @@ class OffloadConfig:
     quantized_weights: bool = False
     quantized_gradients: bool = False
     compute_dtype: torch.dtype = torch.float32
+    gradient_dtype: torch.dtype = torch.float32
     prefetch_depth: int = 2
+    reuse_bytes: int | None = None  # bytes; None: 2 x sub_group_bytes
     sub_group_bytes: int = 64 << 20  # bytes
     min_io_bytes: int = 1 << 20  # bytes
     pinned_bytes: int = 64 << 20  # bytes
@@ -114,6 +125,13 @@ class OffloadConfig:
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise TierstoreValueError(f"OffloadConfig(compute_dtype={self.compute_dtype}): use torch.float32, "
                                       f"torch.bfloat16 or torch.float16")
+        if self.gradient_dtype not in (torch.float32, self.compute_dtype):
+            raise TierstoreValueError(f"OffloadConfig(gradient_dtype={self.gradient_dtype}): use torch.float32 or the "
+                                      f"compute dtype ({self.compute_dtype})")
+        r = self.reuse_bytes
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
+            raise TierstoreValueError(f"OffloadConfig(reuse_bytes={r!r}): an integer >= 0 (0: off), or None "
+                                      f"(2 x sub_group_bytes)")
         for name, least in (("prefetch_depth", 0), ("sub_group_bytes", 1), ("min_io_bytes", 0),
                             ("pinned_bytes", 1 << 20), ("pipeline_depth", 1), ("loss_scale_window", 1)):
             v = getattr(self, name)
@@ -154,6 +172,11 @@ class OffloadConfig:
             raise TierstoreValueError("OffloadConfig: initial_loss_scale and min_loss_scale must be > 0")
 
     @property
+    def reuse_budget(self) -> int:
+        """reuse_bytes resolved: bytes the end of forward may keep for backward."""
+        return 2 * self.sub_group_bytes if self.reuse_bytes is None else self.reuse_bytes
+
+    @property
     def uses_nvme(self) -> bool:
         """Some state lives on a persistent tier (it needs nvme_paths)."""
         return any(tier_info(t).persistent for t in (self.params, self.optimizer_states, self.gradients))
@@ -165,6 +188,7 @@ class OffloadConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["compute_dtype"] = str(self.compute_dtype).removeprefix("torch.")
+        d["gradient_dtype"] = str(self.gradient_dtype).removeprefix("torch.")
         d["nvme_paths"] = list(self.nvme_paths) if self.nvme_paths else None
         return d
 
@@ -252,7 +276,8 @@ WHY_IGNORED = {
     "zero_optimization.reduce_bucket_size": "reduce-scatters go by bucket, sub_group_bytes",
     "zero_optimization.stage3_param_persistence_threshold": "small parameters are packed, min_io_bytes",
     "zero_optimization.stage3_max_live_parameters": "releases follow the forward trace",
-    "zero_optimization.stage3_max_reuse_distance": "releases follow the forward trace",
+    "zero_optimization.stage3_max_reuse_distance": "releases follow the forward trace; OffloadConfig.reuse_bytes "
+                                                   "keeps the forward's last buckets for backward",
 }
 _OFFLOAD_DEVICES = {"none": None, None: None, "cpu": "host", "nvme": "nvme"}
 

@@ -1,4 +1,4 @@
-"""This rank's fp32 gradient partitions between backward and step: where the reductions accumulate, and the
+"""This rank's gradient partitions between backward and step: where the reductions accumulate, and the
 sum of squares the clipping and the fp16 overflow check read.
 
 [Note: persistent gradient partitions]
@@ -16,6 +16,17 @@ each partition (clip_grad_norm_, the fp16 overflow check) is computed when a rea
 not clip reads its gradients once -- until one has asked: from then on (``eager``) it is computed while
 the partition is at hand, for nvme ones (where asking later means reading them back from the disk) and
 for a partition handed to an overlapped step (which scales it in place).
+
+[Note: gradient dtype on nvme]
+On nvme a partition may be stored in the compute dtype (OffloadConfig.gradient_dtype=torch.bfloat16 with
+compute_dtype=torch.bfloat16): half the gradient bytes written by backward and read by the step. The
+reduction still adds in fp32, in the recycled fp32 buffer; the partition is rounded to the stored dtype when
+it is written (``close``) and widened back to fp32 when it is read (a later micro-batch's ``open``, the
+step's load, the norm, clamping). At world size 1 without accumulation the partition holds exactly the
+compute-dtype gradients autograd produced, so storing them narrow loses nothing (training is bit-equal to
+fp32 partitions); with accumulation, or at world size N (the average of the ranks' gradients), the stored
+sum is rounded once per write, as DeepSpeed's bf16 gradients are. A partition handed straight to an
+overlapped step never leaves fp32.
 """
 from __future__ import annotations
 
@@ -35,13 +46,16 @@ from .disk_bytes import DiskBytes
 class GradPartitions:
     """The gradient partitions of one rank on tier `tier`. See [Note: persistent gradient partitions]."""
 
-    def __init__(self, store, tier: str, layout: Layout, buffers, disk: DiskBytes):
+    def __init__(self, store, tier: str, layout: Layout, buffers, disk: DiskBytes,
+                 dtype: torch.dtype = torch.float32):
         self.store = store
         self.disk = disk  # [Note: disk bytes by kind]
         self.tier = tier
         self.layout = layout
         self.buffers = buffers  # BufferPool of CPU buffers, for the nvme tier
         self.memory = tier_info(tier).memory
+        # dtype stored on nvme ([Note: gradient dtype on nvme]); memory tiers keep fp32
+        self.dtype = torch.float32 if self.memory else dtype
         # gid -> sum of squares of its partition, None: not computed yet. Insertion order = reduction order.
         self.sq: dict[int, float | None] = {}
         self._open: dict[int, AbstractContextManager] = {}
@@ -79,9 +93,38 @@ class GradPartitions:
             return part, fresh
         buf = self.buffers.take(n, torch.float32)
         if not fresh:
-            self.store.get(name, out=buf)
-            self.disk.count(name, write=False)
+            try:
+                self._read(name, buf)
+            except BaseException:
+                self.buffers.give(buf)
+                raise
         return buf, fresh
+
+    def _read(self, name: str, out: torch.Tensor) -> None:
+        """fp32 `out` <- nvme partition `name` (widened from the stored dtype)."""
+        if self.dtype == torch.float32:
+            self.store.get(name, out=out)
+        else:
+            low = self.buffers.take(out.numel(), self.dtype)
+            try:
+                self.store.get(name, out=low)
+                out.copy_(low)
+            finally:
+                self.buffers.give(low)
+        self.disk.count(name, write=False)
+
+    def _write(self, name: str, part: torch.Tensor) -> None:
+        """nvme partition `name` <- fp32 `part`, rounded to the stored dtype."""
+        if self.dtype == torch.float32:
+            self.store.put(name, part, tier=self.tier)
+        else:
+            low = self.buffers.take(part.numel(), self.dtype)
+            try:
+                low.copy_(part)
+                self.store.put(name, low, tier=self.tier)
+            finally:
+                self.buffers.give(low)
+        self.disk.count(name, write=True)
 
     def close(self, gid: int, part: torch.Tensor, *, hand_over: bool = False) -> None:
         """Partition `gid` (from open) now holds the accumulated gradient. `hand_over`: it is about to be
@@ -96,8 +139,7 @@ class GradPartitions:
             self.handed[gid] = part
             return
         try:
-            self.store.put(keys.grad(gid), part, tier=self.tier)
-            self.disk.count(keys.grad(gid), write=True)
+            self._write(keys.grad(gid), part)
         finally:
             self.buffers.give(part)
 
@@ -138,8 +180,7 @@ class GradPartitions:
             elif sq is None:  # read back once; from now on taken while the partition is at hand
                 buf = self.buffers.take(self.layout.shard_numel(gid), torch.float32)
                 try:
-                    self.store.get(keys.grad(gid), out=buf)
-                    self.disk.count(keys.grad(gid), write=False)
+                    self._read(keys.grad(gid), buf)
                     sq = self.sq[gid] = _sum_squares(buf)
                 finally:
                     self.buffers.give(buf)
@@ -160,12 +201,10 @@ class GradPartitions:
                 continue
             buf = self.buffers.take(self.layout.shard_numel(gid), torch.float32)
             try:
-                self.store.get(name, out=buf)
-                self.disk.count(name, write=False)
+                self._read(name, buf)
                 buf.clamp_(-bound, bound)
                 self.sq[gid] = _sum_squares(buf) if self.eager else None
-                self.store.put(name, buf, tier=self.tier)
-                self.disk.count(name, write=True)
+                self._write(name, buf)
             finally:
                 self.buffers.give(buf)
 

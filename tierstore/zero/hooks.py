@@ -34,6 +34,23 @@ three gradients from them in backward, after the backward gather put the values 
 torch's Linear backward (grad @ W, grad^T @ x, sum of grad); under torch.autocast the products run in the
 autocast dtype, as nn.Linear's do. ``remove()`` restores the class's forward.
 
+[Note: kept at the turn]
+Backward needs first what forward used last, so releasing the forward's last buckets only to gather (read,
+all-gather) them again a moment later moves their bytes twice. Once the trace ([Note: trace] in
+prefetch.py) says the buckets of the calls after the current one fit in ``reuse_bytes`` (OffloadConfig;
+bytes of gathered buckets), a bucket the current call releases is held instead (``_turn``, in release
+order; only with grad enabled, not in a recomputation): so forward holds at most ``reuse_bytes`` plus one
+call's buckets more than it would. At the forward's end the most recently released of them that fit in
+``reuse_bytes`` stay held and in the protocol view ([Note: bucket residency]) -- the same decision on every
+rank, from the shared trace and layout, so no rank's collectives change -- and the rest are released.
+Backward finds them held and gathers nothing for them; its usual rules release them (gradients complete,
+end of backward), and at world size 1 hand what they release to the step ([Note: masters at hand] in
+stepper.py). A forward that starts before any backward came (evaluation, two forwards then one
+backward) and ``gathered()`` release them first, so nothing stale is ever used. The first forward (still
+recording the trace) keeps nothing. Memory: at most ``reuse_bytes`` more held between forward and backward,
+where backward's prefetch would hold its first buckets anyway; the module order and sizes decide what is
+kept, identically on every rank.
+
 [Note: activation recomputation]
 torch.utils.checkpoint runs a module's forward again inside backward (non-reentrant: when a backward node
 unpacks a tensor the first forward did not keep; reentrant: a nested backward over the recomputed graph).
@@ -99,6 +116,7 @@ class CoordinatorStats:
     reads_in_flight: int  # shards read ahead and not yet used or dropped
     gathers_in_flight: int  # all-gathers posted ahead and not yet used or dropped
     in_forward: bool  # a forward of the model is running (a recomputation inside backward included)
+    kept_at_turn: int  # buckets the end of forward kept for backward, not gathered again ([Note: kept at the turn])
 
 
 class ParamCoordinator:
@@ -108,6 +126,7 @@ class ParamCoordinator:
                  fetch_shard: Callable[[int], torch.Tensor], grad_sink: PartitionSink, *,
                  device: torch.device, group=None, quantized_weights: bool = False,
                  quantized_gradients: bool = False, intra_node_size: int | None = None, prefetch_depth: int = 0,
+                 reuse_bytes: int = 0,
                  lend_shard: Callable[[int], tuple[torch.Tensor, Callable[[], None]] | None] | None = None):
         self.model = model
         self.layout = layout
@@ -116,6 +135,11 @@ class ParamCoordinator:
         self.group = group
         self.qwz = quantized_weights
         self.prefetch_depth = prefetch_depth
+        self.reuse_bytes = reuse_bytes  # [Note: kept at the turn]
+        self._turn: dict[int, None] = {}  # gids held past their release near the forward's end, in release order
+        self._suffix: list[int] = []  # bytes of the buckets the trace's calls from each position on use
+        self._suffix_key: tuple | None = None  # the trace those were computed for
+        self.kept_at_turn = 0
         self.phase = Phase.IDLE  # [Note: phases]
         self._depth = 0  # nesting of the root module's forward
         self._bw_task = -1  # autograd graph task of the backward in progress
@@ -141,6 +165,9 @@ class ParamCoordinator:
         self._finals: list[tuple[tuple[int, ...], _dist.Reducing]] = []
         self.finals_deferred = 0
         self.final_backwards = 0  # backwards that ended with on_final set (their sub-groups may be stepped)
+        # world size 1: called with each bucket backward releases and its values, once nothing here refers to
+        # them ([Note: masters at hand] in stepper.py); None: nothing to do
+        self.on_backward_release: Callable[[int, torch.Tensor], None] | None = None
         # -- prefetch ([Note: prefetch stages] in prefetch.py)
         # a lent shard is not read ahead: using it costs nothing
         self.prefetcher = Prefetcher(layout, fetch_shard,
@@ -209,7 +236,7 @@ class ParamCoordinator:
             rereductions=self.rereductions, finals_deferred=self.finals_deferred,
             grad_bytes=self.grad_bytes, peak_grad_bytes=self.peak_grad_bytes,
             buckets_held=frozenset(self.residency.live), reads_in_flight=pf.reads_in_flight,
-            gathers_in_flight=pf.gathers_in_flight, in_forward=self._depth > 0)
+            gathers_in_flight=pf.gathers_in_flight, in_forward=self._depth > 0, kept_at_turn=self.kept_at_turn)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -283,11 +310,58 @@ class ParamCoordinator:
 
     def release(self, gid: int, *, local_only: bool = False) -> None:
         """Drop bucket `gid`'s gathered values ([Note: bucket residency] in bucket_residency.py)."""
+        self._turn.pop(gid, None)
         self.residency.release(gid, local_only=local_only)
 
     def release_all(self) -> None:
         self.prefetcher.drop()
+        self._turn.clear()
         self.residency.release_all()
+
+    def release_kept(self) -> None:
+        """Release the buckets the last forward kept for a backward that has not come
+        ([Note: kept at the turn])."""
+        for gid in list(self._turn):
+            if not self.residency.in_use(gid):
+                self.release(gid)
+        self._turn.clear()
+
+    def _near_turn(self, index: int | None) -> bool:
+        """Whether a bucket the call at trace position `index` releases is held for backward: the buckets of
+        the calls after it fit in reuse_bytes ([Note: kept at the turn])."""
+        tr = self.trace
+        if self.reuse_bytes <= 0 or index is None or tr.recording or not torch.is_grad_enabled():
+            return False
+        key = (id(tr.order), len(tr.order), tr.rebuilds)
+        if self._suffix_key != key:  # the trace changed: bytes of the buckets used from each position on
+            seen: set[int] = set()
+            total = 0
+            suffix = [0] * (len(tr.order) + 1)
+            for i in range(len(tr.order) - 1, -1, -1):
+                for g in self._module_gids.get(tr.order[i], ()):
+                    if g not in seen:
+                        seen.add(g)
+                        b = self.layout.bucket(g)
+                        total += b.numel * b.dtype.itemsize
+                suffix[i] = total
+            self._suffix, self._suffix_key = suffix, key
+        return index + 1 < len(self._suffix) and self._suffix[index + 1] <= self.reuse_bytes
+
+    def _keep_for_backward(self) -> None:
+        """The forward's end: of the buckets held near the turn, the most recently released that fit in
+        reuse_bytes stay; the others go ([Note: kept at the turn])."""
+        budget = self.reuse_bytes if self.schedule.entries else 0  # no entry: no backward will use them
+        keep: dict[int, None] = {}
+        for gid in reversed(list(self._turn)):
+            b = self.layout.bucket(gid)
+            nbytes = b.numel * b.dtype.itemsize
+            if gid in self.residency.live and nbytes <= budget:
+                budget -= nbytes
+                keep[gid] = None
+            elif not self.residency.in_use(gid):
+                self.release(gid)
+        self._turn = keep
+        self.kept_at_turn += len(keep)
 
     # -- forward --------------------------------------------------------------------------------------
     def _root_pre(self, module, args) -> None:
@@ -297,6 +371,8 @@ class ParamCoordinator:
             self.reducer.drop_grads()
             self._reset_backward(aborted=True)
         if self._depth == 0 and self.phase is Phase.IDLE:
+            if self._turn:  # kept for a backward that did not come ([Note: kept at the turn])
+                self.release_kept()
             self.phase = Phase.FORWARD
             self._calls.clear()
             self.trace.begin()
@@ -312,7 +388,10 @@ class ParamCoordinator:
             self.trace.end()
             self.prefetcher.drop()
             if self.phase is Phase.FORWARD:  # buckets kept for a module predicted next (see _post_forward)
-                self.residency.release_unused()
+                self._keep_for_backward()  # [Note: kept at the turn]
+                for gid in list(self.residency.live):
+                    if gid not in self._turn and not self.residency.in_use(gid):
+                        self.release(gid)
                 self.phase = Phase.IDLE
                 if self.events:
                     self.events.emit("forward_end")
@@ -364,9 +443,14 @@ class ParamCoordinator:
         # the same prediction on every rank, so the same all-gathers are skipped everywhere
         keep = () if recompute or not self.prefetcher.enabled else {
             g for mid in self.trace.upcoming(self.prefetch_depth) for g in self._module_gids.get(mid, ())}
+        turn = not recompute and self._near_turn(call.index)  # [Note: kept at the turn]
         for g in gids:
             if self.residency.leave(g) and g not in keep and not recompute:
-                self.release(g)
+                if turn:
+                    self._turn.pop(g, None)
+                    self._turn[g] = None  # released last (so far)
+                else:
+                    self.release(g)
             # inside backward the recomputed graph's nodes read these parameters next: the buckets stay until
             # the backward releases them ([Note: activation recomputation])
 
@@ -383,6 +467,7 @@ class ParamCoordinator:
         self._bw_task = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
         self.schedule.begin()
+        self._turn.clear()  # the buckets kept for backward are its own now ([Note: kept at the turn])
         self.residency.begin_backward((e.gids for e in self.schedule.entries), self.reducer.trains)
         self.reducer.begin()
         if self.events:
@@ -455,7 +540,12 @@ class ParamCoordinator:
         self.schedule.arrived(self.layout.param_gids[name])
         for gid in self.reducer.arrived(name):  # complete now
             if not self.residency.in_use(gid):
+                lent = self._lent.get(gid, False) or self._world > 1  # not this rank's own copy
+                full = None if lent or self.on_backward_release is None else self.residency.live.get(gid)
                 self.release(gid, local_only=True)
+                if full is not None and self.on_backward_release is not None:
+                    self.on_backward_release(gid, full)
+                del full
             if self._world == 1 and gid not in self.reducer.reduced:  # no collective: reduce right away
                 # final: stepped now, unless its bucket is still held (a forward running needs its values)
                 on_final = self.on_final if gid not in self.residency.live else None

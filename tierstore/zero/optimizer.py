@@ -132,6 +132,9 @@ class OptimizerStats:
     disk_read: dict[str, int]
     disk_written: dict[str, int]
     overlapped: int  # sub-group steps done during backward ([Note: overlapped step])
+    # sub-group steps that took the master backward had read from nvme instead of reading it again ([Note: masters
+    # at hand] in stepper.py)
+    masters_at_hand: int
 
 
 class Zero3Optimizer(torch.optim.Optimizer):
@@ -255,7 +258,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
                                         shared_master=self._shared_master, fused8=fused8, device=self.device,
                                         disk=self._disk)
         # [Note: persistent gradient partitions] in grad_partitions.py
-        self._grads = GradPartitions(self.store, config.gradients, self.layout, buffers, self._disk)
+        self._grads = GradPartitions(self.store, config.gradients, self.layout, buffers, self._disk,
+                                     dtype=config.gradient_dtype)  # [Note: gradient dtype on nvme]
         # norms read at every step: the fp16 overflow check, clipping with the previous norm
         self._grads.eager = cdt == torch.float16 or config.clip_mode == "previous_norm"
         self.steps = 0
@@ -265,8 +269,12 @@ class Zero3Optimizer(torch.optim.Optimizer):
             group=process_group, quantized_weights=config.quantized_weights and self.world_size > 1,
             quantized_gradients=config.quantized_gradients and self.world_size > 1,
             intra_node_size=config.intra_node_size, prefetch_depth=config.prefetch_depth,
-            lend_shard=None if config.overlap_step else self._lend_param_shard)
+            reuse_bytes=config.reuse_budget, lend_shard=None if config.overlap_step else self._lend_param_shard)
         self.hpz = Hpz.attach(self.coordinator, config.hpz_partition_size, params_tier=config.params)  # or None
+        # [Note: masters at hand] in stepper.py: backward's gathered masters read from nvme, kept for the step
+        if (self._shared_master and self.world_size == 1 and not tier_info(config.optimizer_states).memory
+                and config.reuse_budget > 0):
+            self.coordinator.on_backward_release = self._offer_master
         # [Note: a partitioned model's state dict] in module_state.py: model.state_dict() / load_state_dict()
         self.module_state = ModuleState(model, self.layout, self._params, self.coordinator, self._fetch_param_shard,
                                         self._read_master, self._write_master, device=self.device, group=process_group)
@@ -459,6 +467,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
     def _write_master(self, gid: int, master: torch.Tensor) -> None:
         """Replace this rank's shard of sub-group `gid` (fp32 values): master and compute-dtype shard."""
         cfg = self.config
+        self._stepper.drop_at_hand()
         trainable = self.layout.group_of(gid).trainable
         if trainable:
             self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
@@ -497,7 +506,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
                               quantized_states=len(self._states8.packed), fused_steps=self._stepper.fused_steps,
                               partly_skipped=self._skipped.partly_skipped,
                               disk_read={k: self._disk.read[k] for k in KINDS},
-                              disk_written={k: self._disk.written[k] for k in KINDS}, overlapped=self._overlapped)
+                              disk_written={k: self._disk.written[k] for k in KINDS}, overlapped=self._overlapped,
+                              masters_at_hand=self._stepper.masters_at_hand)
 
     def _global_grad_stats(self) -> tuple[float, bool]:
         sq, bad = self._grads.sum_squares()
@@ -617,6 +627,18 @@ class Zero3Optimizer(torch.optim.Optimizer):
     # parameters got no gradient is only agreed at the end of backward; a bucket stepped earlier had a gradient for
     # every parameter on every rank, so no parameter of it is skipped ([Note: skipped parameters] in skipped.py).
 
+    def _offer_master(self, gid: int, full: torch.Tensor) -> None:
+        """The coordinator released bucket `gid` in backward: hand its values to the step when they are
+        exactly the master's and nothing else refers to them ([Note: masters at hand] in stepper.py)."""
+        if (not self.layout.group_of(gid).trainable or full.dtype != torch.float32 or not full.is_contiguous()
+                or full.numel() != self.layout.shard_numel(gid) or full.device != self.device):
+            return
+        # `full`, the untyped storage asked here and `full`'s base (an aligned allocation) if it is a view; a
+        # view saved by autograd would be one more
+        if torch._C._storage_Use_Count(full.untyped_storage()._cdata) > 2 + (full._base is not None):
+            return
+        self._stepper.offer(gid, full, self.config.reuse_budget)
+
     def _step_final(self, gid: int) -> None:
         """The coordinator's on_final: step sub-group `gid` now, on the stream."""
         self._grads.stepped.add(gid)
@@ -676,6 +698,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
             self._stepper.step([g for g in plan if g not in stepped], coef)
         finally:
             self._skipped.runs = {}  # this step's: an overlapped step of the next one must not see them
+            self._stepper.drop_at_hand()  # [Note: masters at hand]: the masters changed
         self._scaler.update(False)
         self._clip_coef = 1.0
         self._prev_clip, self._next_clip = self._next_clip, None
@@ -690,6 +713,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
             self._stream.wait()  # nothing may still be stepping what is forgotten
         self._grads.clear()  # the partitions' memory is kept ([Note: persistent gradient partitions])
         self._final_backwards_seen = self.coordinator.final_backwards
+        self._stepper.drop_at_hand()
         self._clip_coef = 1.0
         self._clipped = False
         self.coordinator.clear_grad_flags()
@@ -715,6 +739,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
                                           f"managed by this Zero3Optimizer")
             names = list(dict.fromkeys(by_id[id(p)] for p in given))
         self.module_state.check_idle("gathered()")
+        self.coordinator.release_kept()  # values it changes must not reach a kept bucket ([Note: kept at the turn])
+        self._stepper.drop_at_hand()
         gids = sorted({g for n in names for g in self.layout.param_gids[n]})
         before = set(self.coordinator.residency.live)
         self.coordinator.views = False  # copies: changes made inside stay there ([Note: gathering at world size 1])
@@ -778,6 +804,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         this rank (what export_subgroup returns; `state` empty: a sub-group no step reached)."""
         cfg = self.config
         self.coordinator.prefetcher.drop()  # read ahead before this write ([Note: prefetch after the step])
+        self._stepper.drop_at_hand()
         master = master.to(self.device, torch.float32)
         self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
         if not self._shared_master:

@@ -8,6 +8,16 @@ the load enters ``resident(tier, writeback=True)`` for each (no copy, pinned aga
 inner optimizer updates master and states in place, and the save leaves the blocks (on the writer
 thread). Only tensors on the nvme tier are read into buffers -- recycled between sub-groups, so the
 step allocates (and page-faults) nothing in steady state -- and written back with put().
+
+[Note: masters at hand]
+With fp32 compute at world size 1 and the parameters on the states' tier, the bucket backward gathers *is*
+the master shard read from the store ([Note: shared master] in optimizer.py). When backward releases such
+a bucket read from nvme and nothing else refers to its memory (no view saved by autograd: the storage's
+use count says so), the optimizer offers it here (``offer``): the last ones offered are kept, at most
+``reuse_bytes`` (OffloadConfig) of them, and the step's ``load`` takes one instead of reading the master
+again -- the same bytes, so the step is unchanged; the overlapped step ([Note: overlapped step]) takes its
+sub-group's right after backward released it. Anything that writes a master drops them first
+(``drop_at_hand``: zero_grad, the end of step, gathered(), loading a state).
 """
 from __future__ import annotations
 
@@ -109,10 +119,37 @@ class SubgroupStepper:
         self.aux: dict[int, dict] = {}  # gid -> non-tensor states (kept here, not in the store)
         self.fused_steps = 0  # sub-group steps done by the fused 8-bit kernel (OptimizerStats)
         self._pipeline = StepPipeline(config.pipeline_depth)
+        self._at_hand: dict[int, torch.Tensor] = {}  # gid -> its master's values ([Note: masters at hand])
+        self._hand_lock = threading.Lock()  # offered on the main thread, taken on the pipeline's reader
+        self.masters_at_hand = 0  # masters a step took from backward instead of reading them (tests)
         self._inline = StepPipeline(1)  # nothing on nvme: the reads and writes are pointer moves, threads only cost
 
     def close(self) -> None:
         self._pipeline.close()
+        self.drop_at_hand()
+
+    def offer(self, gid: int, master: torch.Tensor, budget: int) -> None:
+        """`master` holds sub-group `gid`'s master values, and nothing else refers to it: keep it for the
+        step, the most recent first within `budget` bytes ([Note: masters at hand])."""
+        with self._hand_lock:
+            self._at_hand.pop(gid, None)
+            self._at_hand[gid] = master
+            total = sum(t.numel() * t.element_size() for t in self._at_hand.values())
+            while total > budget and self._at_hand:
+                old = self._at_hand.pop(next(iter(self._at_hand)))
+                total -= old.numel() * old.element_size()
+
+    def drop_at_hand(self) -> None:
+        """Forget the masters at hand (a master is about to change, or the step is over)."""
+        with self._hand_lock:
+            self._at_hand.clear()
+
+    def _take_at_hand(self, gid: int) -> torch.Tensor | None:
+        with self._hand_lock:
+            t = self._at_hand.pop(gid, None)
+        if t is not None:
+            self.masters_at_hand += 1
+        return t
 
     # [Note: one inner step for memory tiers]
     # With nothing on nvme there is no I/O to overlap, and stepping sub-group by sub-group costs one inner
@@ -169,12 +206,15 @@ class SubgroupStepper:
         ``buffers``, given back after the save), instead of read from the store."""
         cfg = self.config
         names = self.state_keys.get(gid, [])
-        roles = [("master", keys.master(gid), cfg.optimizer_states)]
+        at_hand = self._take_at_hand(gid)  # [Note: masters at hand]
+        roles = [] if at_hand is not None else [("master", keys.master(gid), cfg.optimizer_states)]
         if grad is None:
             roles.append(("grad", keys.grad(gid), cfg.gradients))
         roles += [(k, keys.state(gid, k), cfg.optimizer_states) for k in names]
         stack = ExitStack()
         got: dict[str, torch.Tensor] = {} if grad is None else {"grad": grad}
+        if at_hand is not None:
+            got["master"] = at_hand
         resident: set[str] = set()
         disk: list[tuple[str, str]] = []
         fused = False
@@ -215,8 +255,8 @@ class SubgroupStepper:
                 gid, got = t.gid, t.tensors
                 master = got["master"]
                 grad = got["grad"]
-                if grad.device != master.device:
-                    grad = grad.to(master.device)
+                if grad.device != master.device or grad.dtype != master.dtype:
+                    grad = grad.to(master.device, master.dtype)  # [Note: gradient dtype on nvme]
                 if coef != 1.0:
                     grad.mul_(coef)
                 if t.fused:
