@@ -51,9 +51,22 @@ handed to autograd and not kept. A record unpacked after ``close()`` raises Misu
 The records of offloaded tensors are kept in pack order. When backward unpacks the record at position p,
 the records below p are read on a worker thread, from p - 1 down, until ``prefetch_bytes`` are read and not
 yet unpacked: backward runs (nearly) in the reverse order of the forward, so those are the next ones it
-needs. A record whose write has not finished yet is not read: its tensor is still in memory and is used
+needs. A record's bytes leave that window when backward unpacks it, before the next reads start (counted
+until its read returns, a window of one tensor would start the next read only every other unpack). A
+record whose write has not finished yet is not read: its tensor is still in memory and is used
 as it is (the write is cancelled or its result discarded). With ZeRO-3 the ``backward_begin`` event of its
 hooks ([Note: hook events] in zero/events.py) starts the reads before the first unpack.
+
+[Note: per-save bookkeeping]
+With every activation offloaded, what stays in memory until backward grows with depth, one layer at a time:
+autograd's own graph (~20 KiB per GPT block of bench/gpt.py, torch's), the saved tensors kept for being
+small (~14 KiB per block there: layer-norm statistics, the attention's log-sum-exp) and the records of the
+offloaded ones -- ours and the store's (docs/activations.md has the measurement). A record keeps only what
+backward needs: the write's future (a Condition with its lock and deque, ~1.5 KiB, more than the rest of
+the record) is let go once the write is done, and at the end of the forward (``__exit__``, or
+``wait_writes``) the futures of finished writes and the dedupe keys of tensors already gone are dropped:
+such a key can never match again ([Note: saved tensors and versions]). What is left is ~1.5 KiB of Python
+objects per offloaded tensor, about half of it the store's (its placement and extent).
 """
 from __future__ import annotations
 
@@ -117,7 +130,7 @@ class _Saved:
     """One offloaded tensor: its layout, where it is, and what is in flight for it."""
 
     __slots__ = ("__weakref__", "owner", "key", "pos", "size", "stride", "span", "dtype", "stored_dtype", "device",
-                 "version", "ref", "nbytes", "data", "write", "read", "written", "freed", "modified", "storage_key")
+                 "version", "ref", "nbytes", "data", "write", "read", "written", "freed", "modified")
 
     def __init__(self, owner: ActivationOffload, key: str, t: torch.Tensor):
         self.owner = owner
@@ -138,7 +151,6 @@ class _Saved:
         self.written = False
         self.freed = False
         self.modified = False
-        self.storage_key: tuple | None = None
 
     def __del__(self):
         owner = self.owner
@@ -275,6 +287,18 @@ class ActivationOffload:
         if not self._contexts:
             raise MisuseError("ActivationOffload.__exit__ without a matching __enter__")
         self._contexts.pop().__exit__(*exc)
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """Let go of what the forward needed and backward does not ([Note: per-save bookkeeping]): the futures of
+        finished writes, and the dedupe keys of records whose saved tensor is gone (a save shares a record only
+        while that tensor is alive: [Note: saved tensors and versions])."""
+        with self._lock:
+            while self._pending and self._pending[0][0].done():
+                self._pending_bytes -= self._pending.pop(0)[1]
+            dead = [k for k, r in self._by_storage.items() if (rec := r()) is None or rec.freed or rec.ref() is None]
+            for k in dead:
+                del self._by_storage[k]
 
     def _in_checkpoint_inputs(self) -> bool:
         """True when torch.utils.checkpoint is saving its inputs (the caller's frames say so)."""
@@ -335,7 +359,6 @@ class ActivationOffload:
             rec.stride = stride
             rec.span = flat.numel()
             rec.nbytes = nbytes
-            rec.storage_key = skey
             rec.data = flat
             rec.pos = len(self._order)
             self._order.append(weakref.ref(rec))
@@ -374,6 +397,7 @@ class ActivationOffload:
         with self._lock:
             flat = rec.data
             if flat is None or rec.freed:
+                rec.write = None
                 return
         try:
             value, codec = self._encode(rec, flat)
@@ -381,8 +405,10 @@ class ActivationOffload:
         except BaseException as e:  # the tensor is kept (rec.data); the next pack raises it
             with self._lock:
                 self._error = e
+                rec.write = None
             raise
         with self._lock:
+            rec.write = None  # done: the future (a Condition, a lock, a deque: ~1.5 KiB) is not kept for backward
             src = rec.ref()
             if src is not None and src._version != rec.version:
                 rec.modified = True  # changed while we wrote: unpack raises (it is alive)
@@ -451,15 +477,13 @@ class ActivationOffload:
                 self._counts["unwritten_hits"] += 1
             read = rec.read
             rec.read = None
+            if read is not None:  # consumed now: its bytes leave the window before the next reads are started
+                self._ahead_bytes -= rec.nbytes
             self._read_ahead(rec.pos)
         if flat is None:
             if read is not None:
                 self._counts["prefetch_hits"] += 1
-                try:
-                    flat = read.result()
-                finally:
-                    with self._lock:
-                        self._ahead_bytes -= rec.nbytes
+                flat = read.result()
             else:
                 self._counts["misses"] += 1
                 flat = self._read(rec)
@@ -534,6 +558,7 @@ class ActivationOffload:
     def wait_writes(self) -> None:
         """Wait for every write started so far (and the deletes of records freed while they were written)."""
         self._writer.submit(lambda: None).result()
+        self._tidy()
 
     # -- lifetime and stats --------------------------------------------------------------------------------------
     def stats(self) -> ActivationStats:
