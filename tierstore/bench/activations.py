@@ -35,13 +35,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=256, help="tokens per sequence (256)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--layers", type=int, default=128, help="blocks (128: deep enough that what checkpointing keeps per "
+                   "block outweighs the working set of one block, which offloading keeps too; docs/activations.md)")
     p.add_argument("--steps", type=int, default=3, help="steps per process; the first is not timed (3)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the cases, alternated (2)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     p.add_argument("--prefetch", default="1M", help="bytes ActivationOffload reads ahead (1M)")
     p.add_argument("--write-behind", default="1M", help="bytes ActivationOffload lets wait for their write (1M)")
     p.add_argument("--min-bytes", default="64K", help="saved tensors smaller than this stay in memory (64K)")
+    p.add_argument("--small-batch", default="0", help="ActivationOffload(small_batch_bytes=): batch the small saved "
+                   "tensors and offload them too (0: they stay in memory, the library's default)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: on a shared machine more "
                    "threads wait for each other)")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per process")
@@ -66,7 +69,7 @@ def run(args) -> int:
                        "--json", out, "--context", str(args.context), "--batch", str(args.batch), "--width",
                        str(args.width), "--layers", str(args.layers), "--steps", str(args.steps), "--prefetch",
                        args.prefetch, "--write-behind", args.write_behind, "--min-bytes", args.min_bytes,
-                       "--threads", str(args.threads)]
+                       "--small-batch", args.small_batch, "--threads", str(args.threads)]
                 print(f"bench activations: round {r + 1}/{args.rounds}, {c} ...", flush=True)
                 subprocess.run(cmd, check=True, timeout=args.timeout)
                 with open(out) as f:
@@ -200,7 +203,8 @@ def _one(args) -> int:
                                 paths=[os.path.join(args.dir, "act")] if case != "host" else None,
                                 mode="checkpoint" if case == "nvme+checkpoint" else "all",
                                 prefetch_bytes=parse_size(args.prefetch),
-                                write_behind_bytes=parse_size(args.write_behind), min_bytes=parse_size(args.min_bytes))
+                                write_behind_bytes=parse_size(args.write_behind), min_bytes=parse_size(args.min_bytes),
+                                small_batch_bytes=parse_size(args.small_batch))
     data = batches(stdlib_text(1 << 20)[0], args.steps, args.batch, args.context)
     times = []
     base = 0
