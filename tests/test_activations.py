@@ -303,6 +303,11 @@ def test_bench_activations_runs_small(tmp_path):
     run = res["runs"]["nvme"][0]
     assert run["stats"]["offloaded"] > 0 and run["peak_rss"] > 0 and run["step_s"] > 0
     assert 0 < res["compression_errors"]["int8"]["gradients"] < 0.05
+    rc = main(["bench", "activations", "--floor", "--layers", "8", "--width", "64", "--context", "64", "--dir",
+               str(tmp_path), "--json", str(out), "--small-batch", "16K"])
+    assert rc == 0
+    per = json.loads(out.read_text())["per_block"]
+    assert per["none"][0] > 0 and per["offload"][2] > 0 and per["offload"][1] > 0
 
 
 def test_bookkeeping_per_offloaded_tensor_is_small(act_factory):

@@ -12,7 +12,8 @@ torch.utils.checkpoint keeps for its recomputation (both the reentrant and the n
 DeepSpeed's ``cpu_checkpointing`` does. Everything else stays in memory, untouched.
 
 [Note: what is offloaded]
-A saved tensor stays in memory (returned as it is) when it is smaller than ``min_bytes``, an
+A saved tensor stays in memory (returned as it is) when it is smaller than ``min_bytes`` (unless
+``small_batch_bytes`` batches it: [Note: small saves batched]), an
 ``nn.Parameter`` or a view of one (ZeRO-3's gathered parameters are views of its buckets, which the hooks
 release and gather again on their own: [Note: gather and release] in zero/hooks.py), a tensor subclass,
 sparse, quantized, conjugated or negated, saved while a backward runs (a recomputation: it is used right
@@ -353,6 +354,8 @@ class ActivationOffload:
         finished writes, and the dedupe keys of records whose saved tensor is gone (a save shares a record only
         while that tensor is alive: [Note: saved tensors and versions])."""
         with self._lock:
+            if self._closed:
+                return
             for device in list(self._batches):
                 self._seal(device)  # the forward is over: no more small saves for these batches
             while self._pending and self._pending[0][0].done():
