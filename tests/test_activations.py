@@ -91,6 +91,23 @@ def test_prefetch_reads_ahead(act_factory):
     assert s.misses <= 1 and s.prefetch_hits >= s.unpacked - 1 > 0
 
 
+
+def test_prefetch_window_of_one_tensor_reads_every_one_ahead(act_factory):
+    """The bytes of the tensor being unpacked leave the read-ahead window before the next reads start: with a
+    window of one tensor, every unpack but the first finds its read started (not every other one). The reads
+    started depend on the unpack order only, not on how fast they finish."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(12)])  # each saves its input, once
+    x = torch.randn(256, 64)  # every saved activation: 64 KiB
+    act = act_factory(prefetch_bytes=64 << 10)
+    with act:
+        loss = model(x).sum()
+    act.wait_writes()
+    loss.backward()
+    s = act.stats()
+    assert s.unpacked == s.offloaded == 12 and s.misses == 1 and s.prefetch_hits == 11, s
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
                                    torch.int32, torch.uint8, torch.bool])
 def test_dtypes_and_layouts_round_trip(act_factory, dtype):
@@ -286,3 +303,91 @@ def test_bench_activations_runs_small(tmp_path):
     run = res["runs"]["nvme"][0]
     assert run["stats"]["offloaded"] > 0 and run["peak_rss"] > 0 and run["step_s"] > 0
     assert 0 < res["compression_errors"]["int8"]["gradients"] < 0.05
+    rc = main(["bench", "activations", "--floor", "--layers", "8", "--width", "64", "--context", "64", "--dir",
+               str(tmp_path), "--json", str(out), "--small-batch", "16K"])
+    assert rc == 0
+    per = json.loads(out.read_text())["per_block"]
+    assert per["none"][0] > 0 and per["offload"][2] > 0 and per["offload"][1] > 0
+
+
+def test_bookkeeping_per_offloaded_tensor_is_small(act_factory):
+    """What the forward leaves in Python objects per offloaded tensor (ours and the store's) stays small: the
+    write's future (a Condition with its lock and deque, ~1.5 KiB) is let go once written, and the dedupe
+    keys of tensors already gone are dropped at the end of the forward ([Note: per-save bookkeeping]).
+    tracemalloc counts allocations, not time: the figure does not depend on the machine's load."""
+    import tracemalloc
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(48)])
+    x = torch.randn(128, 64, requires_grad=True)  # every saved activation: 32 KiB
+    act = act_factory(min_bytes=16 << 10)
+
+    def forward():
+        with act:
+            out = model(x).sum()
+        act.wait_writes()
+        return out
+    forward().backward()  # warm: the store's files, the threads, torch's caches
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        n0 = act.stats().offloaded
+        loss = forward()
+        gc.collect()
+        per = (tracemalloc.get_traced_memory()[0] - before) / (act.stats().offloaded - n0)
+    finally:
+        tracemalloc.stop()
+    assert act.stats().offloaded - n0 == 49  # x and each ReLU's output (a Linear's input, saved once)
+    assert per < 2048, f"{per:.0f} bytes of Python objects per offloaded tensor"
+    live = [r() for r in act._order if r() is not None]
+    assert live and all(r.write is None and r.data is None for r in live)
+    kept_keys = [r() for r in act._by_storage.values()]  # only x is alive of what was saved: one key is kept
+    assert len(kept_keys) == 1 and kept_keys[0].ref() is x
+    del live, kept_keys
+    loss.backward()
+    assert [r for r in act._order if r() is not None] == []
+
+
+@pytest.mark.parametrize("reentrant", [None, False, True])
+def test_small_batches_gradients_bit_equal(act_factory, reentrant):
+    """small_batch_bytes: the small saves are copied into shared batches, offloaded as one record each
+    ([Note: small saves batched]); gradients stay torch.equal, also when read back from the store."""
+    x = torch.randn(64, 32)
+    ref = _grads(_mlp(), x, None, reentrant)
+    act = act_factory(min_bytes=1 << 20, small_batch_bytes=8192, mode="all")
+    orig = act._unpack
+    act._unpack = lambda p: (act.wait_writes(), orig(p))[1]  # every batch written: read back, not from memory
+    got = _grads(_mlp(), x, act, reentrant)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    s = act.stats()
+    assert s.batched >= 3 and s.offloaded >= 2 and s.kept <= 3 * 6  # only the parameters stay (and views of them)
+    assert s.misses + s.prefetch_hits >= 3
+
+
+def test_small_batches_layouts_versions_and_retain_graph(act_factory):
+    act = act_factory(min_bytes=1 << 20, small_batch_bytes=4096)
+    values = [torch.randn(5, 7), torch.randn(7, 5).t(), torch.arange(10, dtype=torch.int64),
+              torch.rand(9) > 0.5, torch.randn(3, 4, dtype=torch.bfloat16), torch.tensor(2.5)]
+    with act:
+        packed = [act._pack(v) for v in values]
+    act.wait_writes()
+    for v, p in zip(values, packed):
+        got = act._unpack(p)
+        assert got.dtype == v.dtype and got.shape == v.shape and got.stride() == v.stride() and torch.equal(got, v)
+    again = act._unpack(packed[1])  # read a second time (a second backward): the same value
+    assert torch.equal(again, values[1])
+    values[0].add_(1)  # modified in place after the save: the unpack refuses, as torch does
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        act._unpack(packed[0])
+    w = torch.randn(6, 6, requires_grad=True)
+    h = torch.randn(6, 6, requires_grad=True)
+    with act:
+        loss = (w * h).sin().sum()
+    loss.backward(retain_graph=True)
+    g1 = w.grad.clone()
+    loss.backward()
+    assert torch.equal(w.grad, 2 * g1)
+    del packed, p
+    gc.collect()
+    act.wait_writes()
+    assert act.stats().held_bytes == 0

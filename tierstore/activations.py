@@ -12,7 +12,8 @@ torch.utils.checkpoint keeps for its recomputation (both the reentrant and the n
 DeepSpeed's ``cpu_checkpointing`` does. Everything else stays in memory, untouched.
 
 [Note: what is offloaded]
-A saved tensor stays in memory (returned as it is) when it is smaller than ``min_bytes``, an
+A saved tensor stays in memory (returned as it is) when it is smaller than ``min_bytes`` (unless
+``small_batch_bytes`` batches it: [Note: small saves batched]), an
 ``nn.Parameter`` or a view of one (ZeRO-3's gathered parameters are views of its buckets, which the hooks
 release and gather again on their own: [Note: gather and release] in zero/hooks.py), a tensor subclass,
 sparse, quantized, conjugated or negated, saved while a backward runs (a recomputation: it is used right
@@ -51,9 +52,34 @@ handed to autograd and not kept. A record unpacked after ``close()`` raises Misu
 The records of offloaded tensors are kept in pack order. When backward unpacks the record at position p,
 the records below p are read on a worker thread, from p - 1 down, until ``prefetch_bytes`` are read and not
 yet unpacked: backward runs (nearly) in the reverse order of the forward, so those are the next ones it
-needs. A record whose write has not finished yet is not read: its tensor is still in memory and is used
+needs. A record's bytes leave that window when backward unpacks it, before the next reads start (counted
+until its read returns, a window of one tensor would start the next read only every other unpack). A
+record whose write has not finished yet is not read: its tensor is still in memory and is used
 as it is (the write is cancelled or its result discarded). With ZeRO-3 the ``backward_begin`` event of its
 hooks ([Note: hook events] in zero/events.py) starts the reads before the first unpack.
+
+[Note: per-save bookkeeping]
+With every activation offloaded, what stays in memory until backward grows with depth, one layer at a time:
+autograd's own graph (~20 KiB per GPT block of bench/gpt.py, torch's), the saved tensors kept for being
+small (~14 KiB per block there: layer-norm statistics, the attention's log-sum-exp) and the records of the
+offloaded ones -- ours and the store's (docs/activations.md has the measurement). A record keeps only what
+backward needs: the write's future (a Condition with its lock and deque, ~1.5 KiB, more than the rest of
+the record) is let go once the write is done, and at the end of the forward (``__exit__``, or
+``wait_writes``) the futures of finished writes and the dedupe keys of tensors already gone are dropped:
+such a key can never match again ([Note: saved tensors and versions]). What is left is ~1.5 KiB of Python
+objects per offloaded tensor, about half of it the store's (its placement and extent).
+
+[Note: small saves batched]
+With ``small_batch_bytes`` > 0, a saved tensor that would stay in memory only for being smaller than
+``min_bytes`` is instead copied, at the pack, into the batch being filled for its device (each at a 64-byte
+aligned offset, as its span: [Note: exact round trip]); a full batch -- and every batch at the end of the
+forward -- is offloaded as one record, like any saved tensor (read ahead, freed when its last member is).
+So a GPT block's layer-norm statistics and log-sum-exp (2-4 KiB each) leave memory without a store record
+and a 4 KiB write each. Backward reads a batch once, when its first member is unpacked, and keeps the bytes
+until every member alive then has been unpacked (a second backward reads it again). The copy is taken at
+the pack, so an in-place change after it cannot reach the stored value; the unpack still checks the
+version of a member still alive. Batches are not compressed. Off by default: the issue's design keeps small
+tensors in memory, and batching pays a copy per small save.
 """
 from __future__ import annotations
 
@@ -94,6 +120,7 @@ class ActivationStats:
     offloaded_bytes: int  # bytes of those tensors (before compression)
     kept: int  # ... kept in memory ([Note: what is offloaded])
     kept_over_budget: int  # ... of which because budget_bytes was reached
+    batched: int  # small saved tensors copied into a shared batch, offloaded as one ([Note: small saves batched])
     deduplicated: int  # saves that shared the record of an earlier save of the same tensor
     unpacked: int  # unpacks of offloaded records
     prefetch_hits: int  # ... whose read was started ahead (read ahead, [Note: read ahead])
@@ -117,7 +144,7 @@ class _Saved:
     """One offloaded tensor: its layout, where it is, and what is in flight for it."""
 
     __slots__ = ("__weakref__", "owner", "key", "pos", "size", "stride", "span", "dtype", "stored_dtype", "device",
-                 "version", "ref", "nbytes", "data", "write", "read", "written", "freed", "modified", "storage_key")
+                 "version", "ref", "nbytes", "data", "write", "read", "written", "freed", "modified")
 
     def __init__(self, owner: ActivationOffload, key: str, t: torch.Tensor):
         self.owner = owner
@@ -138,12 +165,50 @@ class _Saved:
         self.written = False
         self.freed = False
         self.modified = False
-        self.storage_key: tuple | None = None
 
     def __del__(self):
         owner = self.owner
         if owner is not None:
             owner._release(self)
+
+
+class _Batch:
+    """Small saved tensors copied side by side into one buffer, offloaded as one record once it is full."""
+
+    __slots__ = ("buf", "fill", "saved", "members", "cache", "left")
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf: torch.Tensor | None = buf  # uint8, while it is being filled
+        self.fill = 0  # bytes used
+        self.saved: _Saved | None = None  # the record of buf[:fill], once sealed
+        self.members = 0  # live _Member records
+        self.cache: torch.Tensor | None = None  # the bytes read back, while members still unpack them
+        self.left = 0  # unpacks still to serve from `cache`: the live members when it was read
+
+
+class _Member:
+    """One small saved tensor inside a _Batch: its bytes at `offset`, its layout, the version it had."""
+
+    __slots__ = ("owner", "batch", "offset", "nbytes", "size", "stride", "dtype", "device", "version", "ref")
+
+    def __init__(self, owner: ActivationOffload, batch: _Batch, offset: int, nbytes: int, t: torch.Tensor,
+                 stride: tuple[int, ...] | None):
+        self.owner: ActivationOffload | None = owner
+        self.batch = batch
+        self.offset = offset
+        self.nbytes = nbytes
+        self.size = tuple(t.shape)
+        self.stride = stride
+        self.dtype = t.dtype
+        self.device = t.device
+        self.version = t._version
+        self.ref = weakref.ref(t)
+
+    def __del__(self):
+        owner = self.owner
+        if owner is not None:
+            with owner._lock:
+                self.batch.members -= 1
 
 
 def _span_of(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
@@ -186,7 +251,9 @@ class ActivationOffload:
         `store`. store: an open Store to use instead of one of our own (its names starting with `prefix`).
     mode: 'all' or 'checkpoint' ([Note: what is offloaded]).
     budget_bytes: the most bytes held in the store at once (None: no limit); past it tensors stay in memory.
-    min_bytes: smaller tensors stay in memory (bytes).
+    min_bytes: smaller tensors stay in memory (bytes), unless `small_batch_bytes` batches them.
+    small_batch_bytes: 0 (default: small tensors stay in memory), or the bytes of a batch into which small saved
+        tensors are copied, offloaded as one record when full ([Note: small saves batched]).
     prefetch_bytes: bytes read ahead of backward ([Note: read ahead]).
     write_behind_bytes: bytes of saved tensors waiting for their write at most; past it the forward waits for the
         oldest write (so the memory of the tensors in flight stays bounded when the disk is slower than compute).
@@ -198,7 +265,8 @@ class ActivationOffload:
     def __init__(self, tier: str = "nvme", *, paths: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
                  store: Store | None = None, mode: str = "all", budget_bytes: int | None = None,
                  min_bytes: int = 64 << 10, prefetch_bytes: int = 16 << 20, write_behind_bytes: int = 16 << 20,
-                 compress: str | None = None, pinned_bytes: int = 16 << 20, prefix: str = "act/"):
+                 compress: str | None = None, pinned_bytes: int = 16 << 20, prefix: str = "act/",
+                 small_batch_bytes: int = 0):
         if tier not in TIERS:
             raise TierstoreValueError(f"ActivationOffload(tier={tier!r}): use 'host' or 'nvme'")
         if mode not in MODES:
@@ -206,6 +274,7 @@ class ActivationOffload:
                                       "'checkpoint' (only the inputs torch.utils.checkpoint keeps)")
         for name, v, least in (("min_bytes", min_bytes, 0), ("prefetch_bytes", prefetch_bytes, 0),
                                ("write_behind_bytes", write_behind_bytes, 0),
+                               ("small_batch_bytes", small_batch_bytes, 0),
                                ("pinned_bytes", pinned_bytes, 1 << 20)):
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise TierstoreValueError(f"ActivationOffload({name}={v!r}): an int number of bytes >= {least}")
@@ -225,6 +294,7 @@ class ActivationOffload:
         self.mode = mode
         self.budget_bytes = budget_bytes
         self.min_bytes = min_bytes
+        self.small_batch_bytes = small_batch_bytes
         self.prefetch_bytes = prefetch_bytes
         self.write_behind_bytes = write_behind_bytes
         self.compress = compress
@@ -246,13 +316,15 @@ class ActivationOffload:
         self._low: int | None = None  # lowest position whose read was considered in this backward
         self._ahead_bytes = 0  # bytes read ahead and not yet unpacked
         self._by_storage: dict[tuple, weakref.ref] = {}
+        self._batches: dict[torch.device, _Batch] = {}  # the batch being filled, per device
         self._live = 0
         self._pending: list[tuple[Future, int]] = []  # writes in flight, oldest first, with their bytes
         self._pending_bytes = 0
         self._held = 0
         self._peak = 0
         self._counts = dict.fromkeys(("packed", "offloaded", "offloaded_bytes", "kept", "kept_over_budget",
-                                      "deduplicated", "unpacked", "prefetch_hits", "unwritten_hits", "misses"), 0)
+                                      "batched", "deduplicated", "unpacked", "prefetch_hits", "unwritten_hits",
+                                      "misses"), 0)
         self._contexts: list = []
         self._closed = False
         self._ckpt_codes, (self._apply_code, self._ckpt_fn) = _checkpoint_codes()
@@ -275,6 +347,22 @@ class ActivationOffload:
         if not self._contexts:
             raise MisuseError("ActivationOffload.__exit__ without a matching __enter__")
         self._contexts.pop().__exit__(*exc)
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """Let go of what the forward needed and backward does not ([Note: per-save bookkeeping]): the futures of
+        finished writes, and the dedupe keys of records whose saved tensor is gone (a save shares a record only
+        while that tensor is alive: [Note: saved tensors and versions])."""
+        with self._lock:
+            if self._closed:
+                return
+            for device in list(self._batches):
+                self._seal(device)  # the forward is over: no more small saves for these batches
+            while self._pending and self._pending[0][0].done():
+                self._pending_bytes -= self._pending.pop(0)[1]
+            dead = [k for k, r in self._by_storage.items() if (rec := r()) is None or rec.freed or rec.ref() is None]
+            for k in dead:
+                del self._by_storage[k]
 
     def _in_checkpoint_inputs(self) -> bool:
         """True when torch.utils.checkpoint is saving its inputs (the caller's frames say so)."""
@@ -295,14 +383,14 @@ class ActivationOffload:
             return "subclass"
         if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg() or t.device.type == "meta":
             return "layout"
-        if t.numel() * t.element_size() < self.min_bytes:
-            return "small"
         if _param_or_view(t):
             return "parameter"
         if torch._C._current_graph_task_id() != -1:
             return "backward"
         if self.mode == "checkpoint" and not self._in_checkpoint_inputs():
             return "mode"
+        if t.numel() * t.element_size() < self.min_bytes:
+            return "small"
         return None
 
     def _pack(self, t: torch.Tensor):
@@ -313,7 +401,14 @@ class ActivationOffload:
                           "memory", self.tier)
                 raise e
             self._counts["packed"] += 1
-            if self._closed or self._keep_reason(t) is not None:
+            reason = "closed" if self._closed else self._keep_reason(t)
+            if reason == "small" and self.small_batch_bytes and t.numel():
+                if self.budget_bytes is not None and self._held + self.small_batch_bytes > self.budget_bytes:
+                    self._counts["kept"] += 1
+                    self._counts["kept_over_budget"] += 1
+                    return _Kept(t)
+                return self._pack_small(t)
+            if reason is not None:
                 self._counts["kept"] += 1
                 return _Kept(t)
             flat, stride = _span_of(t.detach())  # no autograd history for our own views and copies
@@ -331,33 +426,71 @@ class ActivationOffload:
                 self._counts["kept"] += 1
                 self._counts["kept_over_budget"] += 1
                 return _Kept(t)
-            rec = _Saved(self, f"{self._prefix}{next(self._ids)}", t)
-            rec.stride = stride
-            rec.span = flat.numel()
-            rec.nbytes = nbytes
-            rec.storage_key = skey
-            rec.data = flat
-            rec.pos = len(self._order)
-            self._order.append(weakref.ref(rec))
+            rec, waits = self._offload(t, flat, stride)
             self._by_storage[skey] = weakref.ref(rec)
-            self._live += 1
-            self._held += nbytes
-            self._peak = max(self._peak, self._held)
-            self._counts["offloaded"] += 1
-            self._counts["offloaded_bytes"] += nbytes
-            self._low = None
-            rec.write = self._writer.submit(self._write, rec)
-            self._pending.append((rec.write, nbytes))
-            self._pending_bytes += nbytes
-            waits = []
-            while self._pending and (self._pending[0][0].done() or self._pending_bytes > self.write_behind_bytes):
-                fut, n = self._pending.pop(0)
-                self._pending_bytes -= n
-                waits.append(fut)
+        self._wait(waits)
+        return rec
+
+    def _offload(self, t: torch.Tensor, flat: torch.Tensor, stride) -> tuple[_Saved, list]:
+        """A record for `flat` (the span of `t`), its write started (lock held); the writes to wait for."""
+        nbytes = flat.numel() * flat.element_size()
+        rec = _Saved(self, f"{self._prefix}{next(self._ids)}", t)
+        rec.stride = stride
+        rec.span = flat.numel()
+        rec.nbytes = nbytes
+        rec.data = flat
+        rec.pos = len(self._order)
+        self._order.append(weakref.ref(rec))
+        self._live += 1
+        self._held += nbytes
+        self._peak = max(self._peak, self._held)
+        self._counts["offloaded"] += 1
+        self._counts["offloaded_bytes"] += nbytes
+        self._low = None
+        rec.write = self._writer.submit(self._write, rec)
+        self._pending.append((rec.write, nbytes))
+        self._pending_bytes += nbytes
+        waits = []
+        while self._pending and (self._pending[0][0].done() or self._pending_bytes > self.write_behind_bytes):
+            fut, n = self._pending.pop(0)
+            self._pending_bytes -= n
+            waits.append(fut)
+        return rec, waits
+
+    @staticmethod
+    def _wait(waits: list) -> None:
         for fut in waits:  # back-pressure, outside the lock: the writer takes it when it finishes
             if not fut.cancelled():
                 fut.exception()  # waits; an error is raised by the next pack (self._error)
-        return rec
+
+    def _pack_small(self, t: torch.Tensor) -> _Member:
+        """Copy a small saved tensor into the batch of its device (lock held). [Note: small saves batched]"""
+        flat, stride = _span_of(t.detach())
+        raw = flat.view(torch.uint8)
+        n = raw.numel()
+        b = self._batches.get(t.device)
+        if b is None or b.buf is None or b.fill + n > b.buf.numel():
+            if b is not None:
+                self._seal(t.device)
+            b = self._batches[t.device] = _Batch(torch.empty(max(self.small_batch_bytes, n), dtype=torch.uint8,
+                                                             device=t.device))
+        assert b.buf is not None
+        off = b.fill
+        b.buf[off:off + n].copy_(raw)
+        b.fill = (off + n + 63) // 64 * 64  # every member starts 64-byte aligned: any dtype can view it
+        b.members += 1
+        self._counts["batched"] += 1
+        return _Member(self, b, off, n, t, stride)
+
+    def _seal(self, device: torch.device) -> None:
+        """Offload the batch being filled on `device` as one record (lock held; its write is not waited for)."""
+        b = self._batches.pop(device, None)
+        if b is None or b.buf is None:
+            return
+        flat = b.buf[:min(b.fill, b.buf.numel())]
+        b.buf = None
+        if b.members:
+            b.saved, _ = self._offload(flat, flat, None)
 
     def _encode(self, rec: _Saved, flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if self.compress is None or rec.dtype not in _FLOATS:
@@ -374,6 +507,7 @@ class ActivationOffload:
         with self._lock:
             flat = rec.data
             if flat is None or rec.freed:
+                rec.write = None
                 return
         try:
             value, codec = self._encode(rec, flat)
@@ -381,8 +515,10 @@ class ActivationOffload:
         except BaseException as e:  # the tensor is kept (rec.data); the next pack raises it
             with self._lock:
                 self._error = e
+                rec.write = None
             raise
         with self._lock:
+            rec.write = None  # done: the future (a Condition, a lock, a deque: ~1.5 KiB) is not kept for backward
             src = rec.ref()
             if src is not None and src._version != rec.version:
                 rec.modified = True  # changed while we wrote: unpack raises (it is alive)
@@ -433,6 +569,8 @@ class ActivationOffload:
         if isinstance(packed, _Kept):
             self._check_version(packed.tensor._version, packed.version, packed.tensor.shape, packed.tensor.dtype)
             return packed.tensor
+        if isinstance(packed, _Member):
+            return self._unpack_small(packed)
         rec: _Saved = packed
         src = rec.ref()
         self._check_version(src._version if src is not None else None, rec.version, rec.size, rec.dtype)
@@ -441,6 +579,31 @@ class ActivationOffload:
                 f"one of the variables needed for gradient computation has been modified by an inplace operation: "
                 f"[{rec.dtype}{list(rec.size)}] changed while tierstore.ActivationOffload wrote it (saved at version "
                 f"{rec.version}). Hint: do not modify a tensor in place after an operation saved it for backward")
+        return self._restore(rec, self._fetch(rec))
+
+    def _unpack_small(self, m: _Member) -> torch.Tensor:
+        src = m.ref()
+        self._check_version(src._version if src is not None else None, m.version, m.size, m.dtype)
+        b = m.batch
+        with self._lock:
+            if self._closed:
+                raise MisuseError("a small saved activation is used by a backward after its ActivationOffload was "
+                                  "closed (its value is gone); close it only after the backward")
+            buf = b.buf if b.saved is None else b.cache  # still being filled, or read for an earlier member
+        if buf is None:
+            assert b.saved is not None
+            buf = self._fetch(b.saved)
+            with self._lock:
+                b.cache, b.left = buf, b.members
+        with self._lock:
+            if b.saved is not None:
+                b.left -= 1
+                if b.left <= 0:  # every member alive at the read had it: read again if a second backward asks
+                    b.cache = None
+        return self._restore(m, buf[m.offset:m.offset + m.nbytes])
+
+    def _fetch(self, rec: _Saved) -> torch.Tensor:
+        """The flat span of an offloaded record: from memory while its write is pending, else read (ahead)."""
         with self._lock:
             if self._closed:
                 raise MisuseError(f"saved activation {rec.key!r} is used by a backward after its ActivationOffload "
@@ -451,19 +614,17 @@ class ActivationOffload:
                 self._counts["unwritten_hits"] += 1
             read = rec.read
             rec.read = None
+            if read is not None:  # consumed now: its bytes leave the window before the next reads are started
+                self._ahead_bytes -= rec.nbytes
             self._read_ahead(rec.pos)
         if flat is None:
             if read is not None:
                 self._counts["prefetch_hits"] += 1
-                try:
-                    flat = read.result()
-                finally:
-                    with self._lock:
-                        self._ahead_bytes -= rec.nbytes
+                flat = read.result()
             else:
                 self._counts["misses"] += 1
                 flat = self._read(rec)
-        return self._restore(rec, flat)
+        return flat
 
     def _read(self, rec: _Saved) -> torch.Tensor:
         """The record's flat span, as it was saved, on the CPU (on the reader thread, or inline on a miss)."""
@@ -484,7 +645,7 @@ class ActivationOffload:
             j -= 1
         self._low = j + 1
 
-    def _restore(self, rec: _Saved, flat: torch.Tensor) -> torch.Tensor:
+    def _restore(self, rec: _Saved | _Member, flat: torch.Tensor) -> torch.Tensor:
         if flat.dtype != rec.dtype:
             flat = flat.view(rec.dtype) if flat.dtype == torch.uint8 else flat.to(rec.dtype)
         if flat.device != rec.device:
@@ -534,6 +695,7 @@ class ActivationOffload:
     def wait_writes(self) -> None:
         """Wait for every write started so far (and the deletes of records freed while they were written)."""
         self._writer.submit(lambda: None).result()
+        self._tidy()
 
     # -- lifetime and stats --------------------------------------------------------------------------------------
     def stats(self) -> ActivationStats:
@@ -549,6 +711,7 @@ class ActivationOffload:
             self._leave_forward()
         with self._lock:
             self._closed = True
+            self._batches.clear()
             for ref in self._order:
                 rec = ref()
                 if rec is not None:

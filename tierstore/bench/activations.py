@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 from ._common import fmt_bytes, print_table, write_json
 
@@ -35,22 +36,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=256, help="tokens per sequence (256)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--layers", type=int, default=128, help="blocks (128: deep enough that what checkpointing keeps per "
+                   "block outweighs the working set of one block, which offloading keeps too; docs/activations.md)")
     p.add_argument("--steps", type=int, default=3, help="steps per process; the first is not timed (3)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the cases, alternated (2)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     p.add_argument("--prefetch", default="1M", help="bytes ActivationOffload reads ahead (1M)")
     p.add_argument("--write-behind", default="1M", help="bytes ActivationOffload lets wait for their write (1M)")
     p.add_argument("--min-bytes", default="64K", help="saved tensors smaller than this stay in memory (64K)")
+    p.add_argument("--small-batch", default="0", help="ActivationOffload(small_batch_bytes=): batch the small saved "
+                   "tensors and offload them too (0: they stay in memory, the library's default)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (1: on a shared machine more "
                    "threads wait for each other)")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per process")
+    p.add_argument("--floor", action="store_true", help="only measure what offloading everything leaves in memory "
+                   "per block until backward (autograd's graph, small tensors kept, Python objects of the records)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child process: one case
 
 
 def run(args) -> int:
     if args.one:
         return _one(args)
+    if args.floor:
+        return _floor(args)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     for c in cases:
         if c not in CASES:
@@ -66,7 +74,7 @@ def run(args) -> int:
                        "--json", out, "--context", str(args.context), "--batch", str(args.batch), "--width",
                        str(args.width), "--layers", str(args.layers), "--steps", str(args.steps), "--prefetch",
                        args.prefetch, "--write-behind", args.write_behind, "--min-bytes", args.min_bytes,
-                       "--threads", str(args.threads)]
+                       "--small-batch", args.small_batch, "--threads", str(args.threads)]
                 print(f"bench activations: round {r + 1}/{args.rounds}, {c} ...", flush=True)
                 subprocess.run(cmd, check=True, timeout=args.timeout)
                 with open(out) as f:
@@ -162,6 +170,94 @@ def _compression_errors(root: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def _floor(args) -> int:
+    """Bytes per block that stay in memory from the forward to the backward when every saved tensor is offloaded:
+    the difference between --layers and --layers / 4 blocks, after the forward (writes done), by source."""
+    import ctypes
+    import gc
+    import tracemalloc
+
+    import torch
+
+    from ..activations import ActivationOffload
+    from ._common import parse_size
+    from .gpt import batches, build_model, stdlib_text
+
+    class _Mallinfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _Mallinfo2
+
+    def allocated() -> int:  # bytes malloc'ed and not freed (heap and own mmaps)
+        m = libc.mallinfo2()
+        return m.uordblks + m.hblkhd
+
+    torch.set_num_threads(args.threads)
+    _mmap_from(64 << 10)
+    min_bytes = parse_size(args.min_bytes)
+
+    def left(layers: int, how: str) -> tuple[float, float, int]:
+        """(malloc bytes, Python bytes, offloaded tensors) left after the forward of `layers` blocks."""
+        torch.manual_seed(0)
+        model = build_model(args.width, layers, args.context)
+        x = batches(stdlib_text(1 << 20)[0], 1, args.batch, args.context)[0][0]
+        act = None
+        hooks: Any
+        d = tempfile.mkdtemp(prefix="bench-act-floor-", dir=args.dir or ".")
+        if how == "offload":
+            act = ActivationOffload("nvme", paths=[d],
+                                    prefetch_bytes=parse_size(args.prefetch), min_bytes=min_bytes,
+                                    write_behind_bytes=parse_size(args.write_behind),
+                                    small_batch_bytes=parse_size(args.small_batch))
+            hooks = act
+        else:  # autograd's graph alone ('none') or with the small tensors kept ('small'): nothing else saved
+            def pack(t):
+                return t if how == "small" and t.numel() * t.element_size() < min_bytes else 0
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p)
+        try:
+            got = []
+            for i in range(3):  # 0 makes what stays (files, threads, caches); 1: malloc; 2: Python (tracemalloc)
+                gc.collect()
+                if i == 2:
+                    tracemalloc.start()
+                n0 = act.stats().offloaded if act else 0
+                a0, p0 = allocated(), tracemalloc.get_traced_memory()[0]
+                with hooks:
+                    out = model(x)
+                if act is not None:
+                    act.wait_writes()
+                gc.collect()
+                got.append((allocated() - a0, tracemalloc.get_traced_memory()[0] - p0,
+                            act.stats().offloaded - n0 if act else 0))
+                tracemalloc.stop()
+                del out
+            return got[1][0], got[2][1], got[1][2]
+        finally:
+            if act is not None:
+                act.close()
+            shutil.rmtree(d, ignore_errors=True)
+    deep, shallow = args.layers, max(1, args.layers // 4)
+    rows = []
+    per = {}
+    for how in ("none", "small", "offload"):
+        a, b = left(deep, how), left(shallow, how)
+        per[how] = [(a[k] - b[k]) / (deep - shallow) for k in range(3)]
+    graph = per["none"][0]
+    rows.append(["autograd's graph (hooks that keep nothing)", fmt_bytes(int(graph)), ""])
+    rows.append(["saved tensors under --min-bytes, kept", fmt_bytes(int(per["small"][0] - graph)), ""])
+    off_malloc, off_py, off_n = per["offload"]
+    rows.append(["offload to nvme: malloc'ed (graph, kept tensors included)", fmt_bytes(int(off_malloc)),
+                 f"{off_n:.1f} offloaded"])
+    rows.append(["offload to nvme: Python objects (tracemalloc)", fmt_bytes(int(off_py)),
+                 f"{off_py / max(off_n, 1):.0f} B per offloaded tensor"])
+    print_table(f"bench activations --floor: bytes per block left in memory after the forward, GPT width {args.width}, "
+                f"{args.batch} x {args.context} tokens ({deep} - {shallow} blocks)", ["what", "per block", ""], rows,
+                caption="Python objects under 512 bytes live in pymalloc's arenas: not in the malloc'ed line")
+    write_json(args.json, {"command": " ".join(sys.argv), "per_block": per})
+    return 0
+
+
 def _mmap_from(nbytes: int) -> None:
     """glibc: serve blocks from `nbytes` up with their own mmap, so a freed activation leaves RSS at once.
 
@@ -200,7 +296,8 @@ def _one(args) -> int:
                                 paths=[os.path.join(args.dir, "act")] if case != "host" else None,
                                 mode="checkpoint" if case == "nvme+checkpoint" else "all",
                                 prefetch_bytes=parse_size(args.prefetch),
-                                write_behind_bytes=parse_size(args.write_behind), min_bytes=parse_size(args.min_bytes))
+                                write_behind_bytes=parse_size(args.write_behind), min_bytes=parse_size(args.min_bytes),
+                                small_batch_bytes=parse_size(args.small_batch))
     data = batches(stdlib_text(1 << 20)[0], args.steps, args.batch, args.context)
     times = []
     base = 0
