@@ -129,6 +129,9 @@ class GradientReducer:
         part = self.sink.open_early(gid)
         if part is None:
             return None
+        if part.device != self.params[name].device:  # not run here (CPU only): e.g. host partitions, CUDA compute
+            del self._whole[name]
+            return None
         out = part[pc.offset:pc.end].view(self.layout.specs[name][0])  # type: ignore[attr-defined]
         self._in_place[name] = out.data_ptr()
         return out
