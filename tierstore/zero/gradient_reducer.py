@@ -34,6 +34,7 @@ from typing import Protocol
 
 import torch
 
+from ..partition import Piece
 from . import _dist
 from ._layout import Layout
 from .backward_schedule import BackwardSchedule
@@ -90,7 +91,7 @@ class GradientReducer:
         self._flats: dict[int, torch.Tensor] = {}  # numel -> collective input ([Note: gradient bytes copied once])
         # world size 1: name -> (gid, its piece) of a parameter wholly in one trainable bucket, whose gradient can
         # be computed in the partition ([Note: gradients computed in their partition] in grad_partitions.py)
-        self._whole: dict[str, tuple[int, object]] = {}
+        self._whole: dict[str, tuple[int, Piece]] = {}
         if self.world == 1 and not quantized:
             for gid in self.trainable:
                 b = layout.bucket(gid)
@@ -132,7 +133,7 @@ class GradientReducer:
         if part.device != self.params[name].device:  # not run here (CPU only): e.g. host partitions, CUDA compute
             del self._whole[name]
             return None
-        out = part[pc.offset:pc.end].view(self.layout.specs[name][0])  # type: ignore[attr-defined]
+        out = part[pc.offset:pc.end].view(self.layout.specs[name][0])
         self._in_place[name] = out.data_ptr()
         return out
 
