@@ -67,6 +67,84 @@ def test_world1_gradient_partitions_are_kept_and_reused(tmp_path):
         opt.close()
 
 
+def test_world1_gradients_are_computed_in_their_partition(tmp_path):
+    """[Note: gradients computed in their partition]: at world size 1 each nn.Linear's weight and bias gradient
+    is computed straight into its run of the kept partition -- autograd's .grad is a view of it, no full-size
+    gradient is allocated, page-faulted, copied or freed -- on the host and the nvme tier, bit-equal to torch."""
+    for grads in ("host", "nvme"):
+        torch.manual_seed(0)
+        m = Deep(layers=3, width=64)
+        ref = copy.deepcopy(m)
+        seen: dict[str, int] = {}
+        # registered before the optimizer's own hook (which reduces and drops .grad): sees .grad as it landed
+        hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n, s=seen: s.__setitem__(n, p.grad.data_ptr()))
+                 for n, p in m.named_parameters()]
+        opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(
+            tmp_path / grads, params="host", states="host", grads=grads, sub_group_bytes=2 * (64 * 64 + 64) * 4))
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        try:
+            g = torch.Generator().manual_seed(1)
+            for step in range(3):
+                x = torch.randn(8, 64, generator=g)
+                for model, o in ((m, opt), (ref, ref_opt)):
+                    model(x).square().mean().backward()
+                    o.step()
+                    o.zero_grad()
+                st = opt.coordinator.stats()
+                assert st.grads_in_place == 6 * (step + 1), "a Linear's gradient was not computed in its partition"
+                assert st.peak_grad_bytes == 0, "a full-size .grad was allocated next to the partitions"
+            if grads == "host":
+                for n in seen:
+                    gid = opt.layout.param_gids[n][0]
+                    with opt.store.tensor(keys.grad(gid)).resident("host") as part:
+                        lo, hi = _storage_range(part)
+                    assert lo <= seen[n] < hi, f"{n}'s .grad is not a view of its gradient partition"
+            full = opt.full_state_dict()
+            for n, p in ref.named_parameters():
+                assert torch.equal(full[n], p.detach()), (grads, n)
+        finally:
+            for h in hooks:
+                h.remove()
+            opt.close()
+
+
+def test_gradients_handed_to_the_caller_are_never_partition_memory(tmp_path):
+    """Where autograd gives a gradient to the caller instead of accumulating it -- torch.autograd.grad, a
+    parameter's own tensor hook, backward(inputs=...) leaving a parameter out -- the partition is not used
+    for it: what the caller holds keeps its values through later backwards, and the step stays exact."""
+    torch.manual_seed(0)
+    m = Deep(layers=2, width=32)
+    ref = copy.deepcopy(m)
+    opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=cfg(tmp_path, params="host", states="host"))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    kept = []
+    h = m.layers[1].weight.register_hook(lambda g: kept.append(g))
+    h_ref = ref.layers[1].weight.register_hook(lambda g: None)
+    try:
+        x = torch.randn(4, 32)
+        w = m.layers[0].weight
+        (gw,) = torch.autograd.grad(m(x).sum(), [w])
+        (gw_ref,) = torch.autograd.grad(ref(x).sum(), [ref.layers[0].weight])
+        assert torch.equal(gw, gw_ref)
+        got = gw.clone()
+        for model, o in ((m, opt), (ref, ref_opt)):
+            model(x).square().sum().backward(inputs=[model.layers[1].weight, model.layers[1].bias])
+            o.step()
+            o.zero_grad()
+            model(2 * x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+        assert torch.equal(gw, got), "a gradient torch.autograd.grad returned changed under a later backward"
+        assert torch.equal(kept[0], kept[0].clone()) and kept[0].data_ptr() != kept[1].data_ptr()
+        full = opt.full_state_dict()
+        for n, p in ref.named_parameters():
+            assert torch.equal(full[n], p.detach()), n
+    finally:
+        h.remove()
+        h_ref.remove()
+        opt.close()
+
+
 def test_accumulation_into_kept_partitions_is_exact(tmp_path):
     """Two micro-batches per step, gradients on host (added in place) and on nvme (read, added, written):
     bit-equal to torch's accumulation; zero_grad() forgets what the kept partition held."""
@@ -330,6 +408,28 @@ def test_bf16_gradients_on_nvme_are_stored_in_bf16_and_train_as_in_memory(tmp_pa
     acc, _, _ = _train_bf16(tmp_path / "bf16-2", 2, params="nvme", states="nvme", grads="nvme",
                             gradient_dtype=torch.bfloat16)
     assert all(torch.allclose(acc[n].float(), acc_ref[n].float(), rtol=0, atol=0.05) for n in acc_ref)
+
+
+def test_a_handed_over_partition_kept_for_step_is_stored_in_the_gradient_dtype(tmp_path):
+    """keep() (world size N, overlap_step: a partition handed over that some rank could not step yet) stores it
+    as close() would: rounded to gradient_dtype, and counted as gradient bytes written."""
+    m, _ = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(
+        tmp_path, compute_dtype=torch.bfloat16, params="nvme", states="nvme", grads="nvme",
+        gradient_dtype=torch.bfloat16))
+    try:
+        gid = opt.layout.trainable_gids()[0]
+        parts = opt._grads
+        part, _fresh = parts.open(gid)
+        part.fill_(0.5)
+        parts.close(gid, part, hand_over=True)
+        before = opt.stats().disk_written["grads"]
+        parts.keep(gid)
+        got = opt.store.get(keys.grad(gid))
+        assert got.dtype == torch.bfloat16 and torch.equal(got.float(), torch.full_like(part, 0.5))
+        assert opt.stats().disk_written["grads"] - before == 2 * got.numel()
+    finally:
+        opt.close()
 
 
 def test_gradient_dtype_is_fp32_or_the_compute_dtype(tmp_path):

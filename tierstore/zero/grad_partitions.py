@@ -27,6 +27,18 @@ compute-dtype gradients autograd produced, so storing them narrow loses nothing 
 fp32 partitions); with accumulation, or at world size N (the average of the ranks' gradients), the stored
 sum is rounded once per write, as DeepSpeed's bf16 gradients are. A partition handed straight to an
 overlapped step never leaves fp32.
+
+[Note: gradients computed in their partition]
+At world size 1 a fresh partition needs no reduction: a parameter's gradient can be computed straight into
+its run of the partition. ``open_early(gid)`` opens partition `gid` during backward, before its bucket is
+complete, when it is fresh (and the step may still take gradient into it); the gradient hooks' nn.Linear
+backward ([Note: linear keeps its parameters] in hooks.py) then writes ``grad^T @ x`` (and the bias's sum)
+into the parameter's run with ``out=``, autograd's AccumulateGrad takes that tensor as the parameter's
+``.grad`` (a view of the partition: no full-size gradient is allocated, page-faulted, copied or freed), a
+second gradient of the same parameter in the same backward (a tied weight) is added to it in place, and the
+reduction that follows skips the runs that already hold their value. ``open(gid)`` hands over the partition
+opened early; whatever was opened early and not reduced (a backward that raised) is left as it was by
+``close_early`` -- a fresh partition's contents are not a gradient until ``close`` records it.
 """
 from __future__ import annotations
 
@@ -59,6 +71,8 @@ class GradPartitions:
         # gid -> sum of squares of its partition, None: not computed yet. Insertion order = reduction order.
         self.sq: dict[int, float | None] = {}
         self._open: dict[int, AbstractContextManager] = {}
+        self._early: dict[int, torch.Tensor] = {}  # gid -> fresh partition opened during backward ([Note: gradients
+        # computed in their partition]), handed over by the next open(gid)
         self.handed: dict[int, torch.Tensor] = {}  # gid -> nvme partition kept for the step, not written
         self.stepped: set[int] = set()  # stepped during this backward ([Note: overlapped step] in optimizer.py)
         self.eager = False  # sums of squares taken while the partition is at hand (someone reads them)
@@ -81,6 +95,34 @@ class GradPartitions:
                 f"checkpointed regions); that step cannot be undone. Train this model with overlap_step=False")
         if self.before_open is not None:
             self.before_open()
+        early = self._early.pop(gid, None)
+        if early is not None:  # fresh: nothing can have been accumulated since it was opened
+            return early, True
+        return self._open_now(gid)
+
+    def open_early(self, gid: int) -> torch.Tensor | None:
+        """Fresh partition `gid`, opened now for gradients computed into it before its reduction; None where
+        it is not fresh or may not take gradient now (open() then says why). The next open(gid) returns it.
+        See [Note: gradients computed in their partition]."""
+        part = self._early.get(gid)
+        if part is not None:
+            return part
+        if gid in self.sq or gid in self.stepped:
+            return None
+        if self.before_open is not None:
+            try:
+                self.before_open()
+            except MisuseError:
+                return None  # the reduction's open() raises it, where it always has
+        part = self._early[gid] = self._open_now(gid)[0]
+        return part
+
+    def close_early(self) -> None:
+        """Leave every partition opened early and not reduced as it was (their contents were never recorded)."""
+        for gid in list(self._early):
+            self.abort(gid)
+
+    def _open_now(self, gid: int) -> tuple[torch.Tensor, bool]:
         fresh = gid not in self.sq
         name = keys.grad(gid)
         n = self.layout.shard_numel(gid)
@@ -151,16 +193,20 @@ class GradPartitions:
         if part is None:  # a memory tier: it is in the store already
             return
         try:
-            self.store.put(keys.grad(gid), part, tier=self.tier)
-            self.disk.count(keys.grad(gid), write=True)
+            self._write(keys.grad(gid), part)  # in the stored dtype ([Note: gradient dtype on nvme])
         finally:
             self.buffers.give(part)
 
-    def abort(self, gid: int) -> None:
-        """open() was not followed by a write (an error): leave it as it was."""
+    def abort(self, gid: int, part: torch.Tensor | None = None) -> None:
+        """open() (or open_early()) was not followed by close() (an error): leave it as it was. `part`: what
+        open() returned (an nvme buffer goes back to the buffers)."""
+        early = self._early.pop(gid, None)
+        part = part if part is not None else early
         cm = self._open.pop(gid, None)
         if cm is not None:
             cm.__exit__(None, None, None)
+        elif part is not None and not self.memory:
+            self.buffers.give(part)
 
     def take(self, gid: int) -> torch.Tensor | None:
         """The nvme partition kept by close(hand_over=True) (the caller gives it back to the buffers)."""
@@ -210,6 +256,7 @@ class GradPartitions:
 
     def clear(self) -> None:
         """zero_grad(): forget what the partitions hold (their memory is kept for the next backward)."""
+        self.close_early()
         self.sq.clear()
         self.stepped.clear()
         for part in self.handed.values():

@@ -29,11 +29,13 @@ later ones hold roughly the gradients of the buckets not yet due. One small coll
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from ..partition import Piece
 from . import _dist
 from ._layout import Layout
 from .backward_schedule import BackwardSchedule
@@ -50,7 +52,11 @@ class PartitionSink(Protocol):
 
     def keep(self, gid: int) -> None: ...
 
-    def abort(self, gid: int) -> None: ...
+    def abort(self, gid: int, part: torch.Tensor | None = None) -> None: ...
+
+    def open_early(self, gid: int) -> torch.Tensor | None: ...
+
+    def close_early(self) -> None: ...
 
 
 class GradientReducer:
@@ -87,6 +93,20 @@ class GradientReducer:
         self.grad_bytes = 0  # bytes of full .grad alive now
         self.peak_grad_bytes = 0  # the most alive at once during the last (or current) backward
         self._flats: dict[int, torch.Tensor] = {}  # numel -> collective input ([Note: gradient bytes copied once])
+        # world size 1: name -> (gid, its piece) of a parameter wholly in one trainable bucket, whose gradient can
+        # be computed in the partition ([Note: gradients computed in their partition] in grad_partitions.py)
+        self._whole: dict[str, tuple[int, Piece]] = {}
+        if self.world == 1 and not quantized:
+            for gid in self.trainable:
+                b = layout.bucket(gid)
+                if b.dtype != torch.float32:  # the partition is fp32: a gradient of another dtype cannot live there
+                    continue
+                for pc in b.pieces:
+                    if layout.param_gids[pc.name] == [gid] and pc.param_offset == 0 and \
+                            pc.numel == math.prod(layout.specs[pc.name][0]):
+                        self._whole[pc.name] = (gid, pc)
+        self._in_place: dict[str, int] = {}  # name -> data_ptr of the partition run handed out in this backward
+        self.grads_in_place = 0  # gradients computed in their partition, in grad_partitions.py's Note of that name
 
     def trains(self, gid: int) -> bool:
         return gid in self.params_in
@@ -98,6 +118,29 @@ class GradientReducer:
     def begin(self) -> None:
         self.peak_grad_bytes = self.grad_bytes
 
+    def grad_out(self, name: str) -> torch.Tensor | None:
+        """Where parameter `name`'s gradient may be computed now: its run of its fresh gradient partition (shaped
+        as the parameter), or None (world size N, a parameter split over buckets or not in fp32, a gradient
+        already there or handed out in this backward, the bucket reduced or its partition not fresh). See
+        [Note: gradients computed in their partition] in grad_partitions.py."""
+        whole = self._whole.get(name)
+        # once per backward: a parameter used twice has its gradients summed by autograd before they land, so
+        # a second product into the same run would overwrite the first one's
+        if whole is None or name in self._in_place or self.params[name].grad is not None:
+            return None
+        gid, pc = whole
+        if gid in self.reduced:
+            return None
+        part = self.sink.open_early(gid)
+        if part is None:
+            return None
+        if part.device != self.params[name].device:  # not run here (CPU only): e.g. host partitions, CUDA compute
+            del self._whole[name]
+            return None
+        out = part[pc.offset:pc.end].view(self.layout.specs[name][0])
+        self._in_place[name] = out.data_ptr()
+        return out
+
     def arrived(self, name: str) -> list[int]:
         """Parameter `name` accumulated a gradient: the buckets it completes (each only once)."""
         self.got_grad.add(name)
@@ -106,7 +149,11 @@ class GradientReducer:
             if gid in self.reduced:
                 self.dirty.add(gid)
         g = self.params[name].grad
-        if name not in self._counted and g is not None:
+        if g is not None and self._in_place.get(name) == g.data_ptr():  # its partition's memory, not a .grad's
+            if name not in self._counted:
+                self._counted[name] = 0
+                self.grads_in_place += 1
+        elif name not in self._counted and g is not None:
             nbytes = g.numel() * g.element_size()
             self._counted[name] = nbytes
             self.grad_bytes += nbytes
@@ -142,7 +189,7 @@ class GradientReducer:
                                                          intra_node_size=self.intra_node_size)
                         part.copy_(shard) if fresh else part.add_(shard)
         except BaseException:
-            sink.abort(gid)
+            sink.abort(gid, part)
             raise
         sink.close(gid, part, hand_over=hand_over)
         self.reduced.add(gid)
@@ -174,7 +221,12 @@ class GradientReducer:
             d = dst[piece.offset:piece.end]
             if g is not None:
                 src = g.reshape(-1)[piece.param_offset:piece.param_offset + piece.numel]
-                d.add_(src) if add else d.copy_(src)
+                if src.data_ptr() == d.data_ptr():  # computed in place ([Note: gradients computed in their partition])
+                    pass
+                elif add:
+                    d.add_(src)
+                else:
+                    d.copy_(src)
             elif not add:
                 d.zero_()
             end = max(end, piece.end)
@@ -249,6 +301,8 @@ class GradientReducer:
         self.got_grad.clear()
         self._seen.clear()
         self._done.clear()
+        self._in_place.clear()
+        self.sink.close_early()  # opened for a gradient a raising backward never reduced: left as it was
 
     def drop_grad(self, name: str) -> None:
         self.params[name].grad = None

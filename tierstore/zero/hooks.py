@@ -72,6 +72,7 @@ zero_grad(). The optimizer's step skips the others (see [Note: skipped parameter
 """
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,6 +111,9 @@ class CoordinatorStats:
     # their gradients in yet there); stepped in step() ([Note: overlapped step at world size N] in optimizer.py)
     finals_deferred: int
     rereductions: int  # buckets that received gradient after their reduction and were reduced again
+    # world size 1: parameters' gradients computed straight into their partition, no full .grad allocated
+    # ([Note: gradients computed in their partition] in grad_partitions.py)
+    grads_in_place: int
     grad_bytes: int  # bytes of full .grad alive now
     peak_grad_bytes: int  # bytes of full .grad alive at once, at most, in the last (or current) backward
     buckets_held: frozenset[int]  # ids (gids) of the buckets whose gathered values this rank holds now
@@ -217,7 +221,8 @@ class ParamCoordinator:
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
             self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
             if type(m).forward is torch.nn.Linear.forward and "forward" not in m.__dict__:
-                m.forward = types.MethodType(_linear_keeping_params, m)  # [Note: linear keeps its parameters]
+                # [Note: linear keeps its parameters]; [Note: gradients computed in their partition]
+                m.forward = types.MethodType(functools.partial(_linear_keeping_params, grad_out=self._grad_out), m)
                 self._handles.append(_InstanceForward(m))
         for _n, p in self.params.items():
             if p.requires_grad:
@@ -234,7 +239,8 @@ class ParamCoordinator:
             staged_copies=pf.stage.copies, trace_rebuilds=self.trace.rebuilds,
             eager_reductions=self.eager_reductions, early_reductions=self.early_reductions,
             rereductions=self.rereductions, finals_deferred=self.finals_deferred,
-            grad_bytes=self.grad_bytes, peak_grad_bytes=self.peak_grad_bytes,
+            grads_in_place=self.reducer.grads_in_place, grad_bytes=self.grad_bytes,
+            peak_grad_bytes=self.peak_grad_bytes,
             buckets_held=frozenset(self.residency.live), reads_in_flight=pf.reads_in_flight,
             gathers_in_flight=pf.gathers_in_flight, in_forward=self._depth > 0, kept_at_turn=self.kept_at_turn)
 
@@ -554,6 +560,12 @@ class ParamCoordinator:
                 if on_final is not None:
                     on_final(gid)
 
+    def _grad_out(self, p: torch.Tensor) -> torch.Tensor | None:
+        """Where parameter `p`'s gradient may be computed in this backward, or None: see [Note: gradients
+        computed in their partition] in grad_partitions.py."""
+        name = self._name_of.get(id(p))
+        return None if name is None else self.reducer.grad_out(name)
+
     def _after_backward(self, token: _AfterBackward) -> None:
         """A hooked forward call's backward is over (the gradients of its inputs are complete). See
         [Note: releasing frozen buckets in backward]."""
@@ -639,12 +651,14 @@ def register_external_parameter(module: torch.nn.Module, param: torch.nn.Paramet
 class _LinearKeepingParams(torch.autograd.Function):
     """F.linear whose backward reads the parameters themselves. See [Note: linear keeps its parameters].
     Under torch.autocast the product runs in the autocast dtype, as nn.Linear's would, and each gradient
-    comes back in its tensor's own dtype."""
+    comes back in its tensor's own dtype. `grad_out(param)`: where that parameter's gradient may be computed
+    (a tensor of its shape and dtype) or None ([Note: gradients computed in their partition])."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, grad_out=None):
         dev = x.device.type
         ctx.cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        ctx.grad_out = grad_out
         ctx.save_for_backward(x, weight, bias)
         if ctx.cast is None:
             return torch.nn.functional.linear(x, weight, bias)
@@ -664,14 +678,38 @@ class _LinearKeepingParams(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])
-            gw = g2.t().matmul(x2 if ctx.cast is None else x2.to(ctx.cast)).to(weight.dtype)
+            out = _grad_target(ctx, 1, weight, g2.dtype)
+            if out is not None:
+                gw = torch.matmul(g2.t(), x2, out=out)
+            else:
+                gw = g2.t().matmul(x2 if ctx.cast is None else x2.to(ctx.cast)).to(weight.dtype)
         if bias is not None and ctx.needs_input_grad[2]:
-            gb = g2.sum(0).to(bias.dtype)
-        return gx, gw, gb
+            out = _grad_target(ctx, 2, bias, g2.dtype)
+            gb = torch.sum(g2, 0, out=out) if out is not None else g2.sum(0).to(bias.dtype)
+        return gx, gw, gb, None
 
 
-def _linear_keeping_params(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _LinearKeepingParams.apply(x, module.weight, module.bias)
+def _grad_target(ctx, i: int, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Where the gradient of input `i` (a parameter), computed in `dtype`, may be computed: the coordinator's
+    run of its gradient partition, when autograd will accumulate it into ``param.grad`` as it is. Not when the
+    product is cast (autocast) or in another dtype than the parameter's, when backward records a graph
+    (create_graph), when the parameter has hooks of its own (they could keep or replace the tensor), nor when
+    ``torch.autograd.grad`` captures it instead of accumulating it (the caller would get memory the next
+    backward overwrites). [Note: gradients computed in their partition] in grad_partitions.py."""
+    if ctx.grad_out is None or ctx.cast is not None or dtype != param.dtype or torch.is_grad_enabled() or \
+            param._backward_hooks:
+        return None
+    node = ctx.next_functions[i][0]
+    try:  # raises for a leaf that autograd.grad captures
+        if node is None or not torch._C._will_engine_execute_node(node):
+            return None
+    except RuntimeError:
+        return None
+    return ctx.grad_out(param)
+
+
+def _linear_keeping_params(module: torch.nn.Linear, x: torch.Tensor, *, grad_out=None) -> torch.Tensor:
+    return _LinearKeepingParams.apply(x, module.weight, module.bias, grad_out)
 
 
 class _InstanceForward:
