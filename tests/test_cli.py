@@ -157,15 +157,17 @@ def test_demo_big_refuses_a_disk_too_small_before_building_anything(tmp_path, mo
 
 def test_bench_scale_runs_small(tmp_path):
     out = tmp_path / "scale.json"
-    rc = main(["bench", "scale", "--sizes", "2e5,8e5", "--steps", "2", "--context", "16", "--dir", str(tmp_path),
+    work = tmp_path / "not" / "made"  # a --dir that does not exist yet is made
+    rc = main(["bench", "scale", "--sizes", "2e5,8e5", "--steps", "2", "--context", "16", "--dir", str(work),
                "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())["results"]
     assert [r["parameters"] < 2e6 for r in res] == [True, True] and res[0]["parameters"] < res[1]["parameters"]
     for r in res:
         assert r["peak_rss"] > 0 and r["on_disk"] >= r["states_bytes"] > 0 and r["step_s"] > 0
-    expected = ["scale.json", "scale.png"] if _has_matplotlib() else ["scale.json"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == expected  # the nvme files are gone, the figures stay
+    expected = ["not", "scale.json", "scale.png"] if _has_matplotlib() else ["not", "scale.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == expected  # the figures stay
+    assert not any(work.iterdir())  # the nvme files are gone
 
 
 def _has_matplotlib() -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 BENCHMARKS = {
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module("tierstore.demo").run(args)
     if args.command == "tune":
         return importlib.import_module("tierstore.bench.tune").run(args)
+    if isinstance(getattr(args, "dir", None), str):  # the directory a benchmark works in: made if missing
+        os.makedirs(args.dir, exist_ok=True)
     return _load(args.bench).run(args)
 
 
