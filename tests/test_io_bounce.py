@@ -193,29 +193,22 @@ def test_filesystem_without_o_direct_is_buffered_and_counted(eng, tmp_path, monk
 
 def test_many_concurrent_unaligned_requests(eng, tmp_path):
     """More bounced requests in flight than bounce buffers, from several threads: all complete exactly."""
-    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     n = 3 * BLOCK
     path = tmp_path / "many.bin"
     f = eng.open(path, "w")
     datas = [_data(n, 10 + i) for i in range(6)]
-    errors: list[BaseException] = []
 
     def worker(i):
-        try:
-            src = _shifted(n, 64 * (i + 1))
-            src.copy_(torch.from_numpy(datas[i]))
-            eng.write(f, src, i * n).result()
-            back = _shifted(n, 32 * (i + 1))
-            eng.read(f, back, i * n).result()
-            np.testing.assert_array_equal(back.numpy(), datas[i])
-        except BaseException as e:  # reported below
-            errors.append(e)
+        src = _shifted(n, 64 * (i + 1))
+        src.copy_(torch.from_numpy(datas[i]))
+        eng.write(f, src, i * n).result()
+        back = _shifted(n, 32 * (i + 1))
+        eng.read(f, back, i * n).result()
+        np.testing.assert_array_equal(back.numpy(), datas[i])
 
-    ts = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errors, errors
+    with ThreadPoolExecutor(6) as ex:  # all six at once; result() raises what a worker raised
+        for fut in [ex.submit(worker, i) for i in range(6)]:
+            fut.result()
     np.testing.assert_array_equal(np.fromfile(path, np.uint8), np.concatenate(datas))

@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -116,24 +117,17 @@ def test_many_threads_at_once(eng, tmp_path):
     f = eng.open(path, "w")
     chunk = 256 << 10
     datas = [_rand_bytes(rng, chunk) for _ in range(32)]
-    errors = []
 
     def worker(k):
-        try:
-            for i in range(k, 32, 4):
-                eng.write(f, datas[i], i * chunk).result()
-                back = np.empty(chunk, np.uint8)
-                eng.read(f, back, i * chunk).result()
-                assert np.array_equal(back, datas[i])
-        except BaseException as e:  # reported in the main thread
-            errors.append(e)
+        for i in range(k, 32, 4):
+            eng.write(f, datas[i], i * chunk).result()
+            back = np.empty(chunk, np.uint8)
+            eng.read(f, back, i * chunk).result()
+            assert np.array_equal(back, datas[i])
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    with ThreadPoolExecutor(4) as ex:  # all four at once; result() raises what a worker raised
+        for fut in [ex.submit(worker, k) for k in range(4)]:
+            fut.result()
     np.testing.assert_array_equal(np.fromfile(path, np.uint8), np.concatenate(datas))
 
 

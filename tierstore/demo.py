@@ -72,11 +72,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 _BIG_LR = 2e-4
 
 
+def _store_bytes_per_param(states: str) -> int:
+    """fp32 master (shared with the parameters), gradient, exp_avg, exp_avg_sq: 16 bytes; dynamic8 states ~1
+    byte each plus scales: ~10."""
+    return 16 if states == "fp32" else 10
+
+
 def _big_params(ram: int, states: str) -> float:
-    """Parameters whose training states on nvme are >= 1.5x `ram`: fp32 master (shared with the parameters),
-    gradient, exp_avg, exp_avg_sq = 16 bytes each; dynamic8 states ~1 byte each plus scales (~10)."""
-    per = 16 if states == "fp32" else 10  # bytes per parameter
-    return 1.55 * ram / per
+    """Parameters whose training states on nvme are >= 1.5x `ram` (1.55x: shape_for rounds)."""
+    return 1.55 * ram / _store_bytes_per_param(states)
 
 
 def _disk_needed(params: float, states: str, resume: bool) -> int:
@@ -84,9 +88,8 @@ def _disk_needed(params: float, states: str, resume: bool) -> int:
     preallocation per file and a few sub-groups of copy-on-write: 5% and 2 GiB cover them) and, with the resume
     check, the checkpoint (fp32 master and states: 12 bytes a parameter in fp32, ~6 in dynamic8) -- the first
     run's files are deleted before the resumed run."""
-    per = 16 if states == "fp32" else 10  # bytes per parameter in the store
     ckpt = (12 if states == "fp32" else 6) if resume else 0  # bytes per parameter in the checkpoint
-    return int(params * (per * 1.05 + ckpt)) + (2 << 30)
+    return int(params * (_store_bytes_per_param(states) * 1.05 + ckpt)) + (2 << 30)
 
 
 def run(args) -> int:

@@ -215,7 +215,6 @@ class Init:
         self.group = process_group
         self.world_size, self.rank = 1, 0
         self.store: Store | None = None
-        self._tmpdir: str | None = None
         self._dirs: list[str] = []  # the store's directories: scratch space of this context, removed with the store
         self._keys = itertools.count()
         self._live = 0
@@ -243,8 +242,7 @@ class Init:
         if cfg.nvme_paths:
             paths = [os.path.join(p, f"init-rank{self.rank}") for p in cfg.nvme_paths]
         else:
-            self._tmpdir = tempfile.mkdtemp(prefix="tierstore-init-")
-            paths = [self._tmpdir]
+            paths = [tempfile.mkdtemp(prefix="tierstore-init-")]
         self._dirs = paths
         self.store = Store(paths, device_budget=None if cfg.params == "device" else 0,
                            host_budget=None if cfg.params == "host" else 0, pinned_budget=cfg.pinned_bytes,
@@ -420,7 +418,6 @@ class Init:
         for d in self._dirs:
             shutil.rmtree(d, ignore_errors=True)
         self._dirs = []
-        self._tmpdir = None
 
 
 class OffloadedParameter(torch.nn.Parameter):
