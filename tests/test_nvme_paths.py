@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tierstore.tiers.nvme.reads as nvme_reads
-from tierstore.errors import TierstoreIOError
+from tierstore.errors import MisuseError, TierstoreIOError, TierstoreValueError
 from tierstore.io import ALIGN
 from tierstore.store import Store
 from tierstore.tiers.host import aligned_empty
@@ -127,3 +127,112 @@ def test_get_faults_fresh_memory_in_ahead(tmp_path, monkeypatch, populate_works)
         assert out.data_ptr() % ALIGN
         s.get("x", out=out)
         assert torch.equal(out, x) and not calls
+
+
+# [Note: lent tensors]: put(..., lend=) writes an aligned tensor larger than a pool buffer from its own memory
+# and returns before the disk has it; lend() is called exactly once, when the memory is the caller's again.
+
+class Lend:
+    def __init__(self, ios: list | None = None):
+        self.calls = 0
+        self.ios = ios  # the engine's write futures so far
+        self.all_done_then: bool | None = None  # whether every one had finished when lend() ran
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.ios is not None:
+            self.all_done_then = all(f.done() for f in self.ios)
+
+
+def spy_write_futures(s: Store, monkeypatch) -> list:
+    ios: list = []
+    real = s._engine.write
+
+    def write(f, buf, offset=0):
+        fut = real(f, buf, offset)
+        ios.append(fut)
+        return fut
+    monkeypatch.setattr(s._engine, "write", write)
+    return ios
+
+
+@pytest.mark.parametrize("nbytes", [2 * MiB, 2 * MiB + 1000 * 4], ids=["whole-blocks", "partial-tail"])
+def test_lent_put_writes_from_the_tensor_and_gives_it_back_when_written(tmp_path, monkeypatch, nbytes):
+    d = str(tmp_path / "s")
+    x = aligned_values(nbytes, 5)  # larger than a buffer (1 MiB), smaller than the pool (4 MiB)
+    keep = x.clone()
+    with Store(d, **opts()) as s:
+        seen = spy_writes(s, monkeypatch)
+        ios = spy_write_futures(s, monkeypatch)
+        lend = Lend(ios)
+        s.put("x", x, "nvme", lend=lend)
+        lo, hi = x.data_ptr(), x.data_ptr() + nbytes
+        assert sum(n for a, n in seen if lo <= a < hi) == nbytes - nbytes % ALIGN  # no copy but the partial tail
+        for f in ios:
+            f.exception()  # wait for the disk
+        s.flush()
+        assert lend.calls == 1 and lend.all_done_then  # called once, after the last request finished
+        assert torch.equal(s.get("x"), keep)
+    with Store.open(d, **opts()) as s:  # crc32c computed on the lent memory alongside the writes
+        assert torch.equal(s.get("x"), keep)
+
+
+@pytest.mark.parametrize("case", ["small", "unaligned", "host-tier", "codec"])
+def test_lend_of_a_copied_value_is_called_before_put_returns(tmp_path, monkeypatch, case):
+    import numcodecs
+    with Store(str(tmp_path / "s"), **{**opts(), "host_budget": 64 * MiB}) as s:
+        seen = spy_writes(s, monkeypatch)
+        if case == "small":
+            x, kw = aligned_values(MiB // 2, 7), {"tier": "nvme"}
+        elif case == "unaligned":
+            x = aligned_values(3 * MiB + 64, 7)[16:]  # 64 bytes past a 4 KiB boundary
+            kw = {"tier": "nvme"}
+        elif case == "host-tier":
+            x, kw = aligned_values(3 * MiB, 8), {"tier": "host"}
+        else:
+            x, kw = aligned_values(3 * MiB, 9), {"tier": "nvme", "codec": numcodecs.Zstd(level=1)}
+        keep = x.clone()
+        lend = Lend()
+        s.put("x", x, lend=lend, **kw)
+        assert lend.calls == 1  # copied: the tensor is the caller's again at once
+        assert not any(x.data_ptr() <= a < x.data_ptr() + x.numel() * 4 for a, _ in seen)
+        x.fill_(-1)
+        s.flush()
+        assert torch.equal(s.get("x"), keep)
+
+
+def test_lend_is_called_when_put_refuses(tmp_path):
+    x = aligned_values(3 * MiB, 10)
+    d = str(tmp_path / "s")
+    with Store(d, **opts()) as s:
+        s.put("y", x, "nvme")
+    lend = Lend()
+    with Store.open(d, mode="r", **opts()) as s:
+        with pytest.raises(MisuseError):
+            s.put("x", x, "nvme", lend=lend)
+    assert lend.calls == 1
+    with Store(str(tmp_path / "t"), **opts()) as s:
+        for bad in ({"name": ""}, {"tier": "tape"}):
+            lend = Lend()
+            with pytest.raises(TierstoreValueError):
+                s.put(bad.get("name", "x"), x, bad.get("tier", "nvme"), lend=lend)
+            assert lend.calls == 1
+        with pytest.raises(TierstoreValueError, match="lend"):
+            s.put("x", x, "nvme", lend=3)
+
+
+def test_lent_write_failure_gives_the_memory_back_and_is_reported_by_flush(tmp_path):
+    d = str(tmp_path / "s")
+    s = Store(d, **opts())
+    s.put("x", aligned_values(3 * MiB, 11), "nvme")
+    s.flush()
+    s._engine.inject_fault(2, "eio")
+    lend = Lend()
+    s.put("x", aligned_values(3 * MiB, 12), "nvme", lend=lend)
+    with pytest.raises(TierstoreIOError) as ei:
+        s.flush()
+    assert lend.calls == 1
+    assert ei.value.errno == errno.EIO and "'x'" in str(ei.value)
+    s.close(flush=False)
+    with Store.open(d, **opts()) as s2:  # the last flushed value stands
+        assert torch.equal(s2.get("x"), aligned_values(3 * MiB, 11))

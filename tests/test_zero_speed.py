@@ -514,3 +514,72 @@ def test_8bit_states_are_one_extent_each_scales_and_codes_together(tmp_path):
         assert packed_states >= 2 and read == expect
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "overlapped"])
+def test_the_steps_writes_come_from_its_buffers_which_come_back_only_when_written(tmp_path, monkeypatch, overlap):
+    """[Note: lent tensors]: the step writes each sub-group's master and states out of the aligned buffers it
+    stepped them in (no copy into pool buffers first), and a buffer is recycled for another sub-group only
+    once every write from it has finished; training stays bit-equal to torch."""
+    from tierstore.tiers.nvme.writes import ExtentWriter
+    from tierstore.zero.stepper import BufferPool
+
+    paths: dict[str, list[str]] = {"direct": [], "streamed": []}
+    real_direct, real_streamed = ExtentWriter._write_direct, ExtentWriter._write_streamed
+
+    def direct(self, src, n, alen, what, lend):
+        paths["direct"].append(what)
+        return real_direct(self, src, n, alen, what, lend)
+
+    def streamed(self, addr, n, alen, what):
+        paths["streamed"].append(what)
+        return real_streamed(self, addr, n, alen, what)
+
+    monkeypatch.setattr(ExtentWriter, "_write_direct", direct)
+    monkeypatch.setattr(ExtentWriter, "_write_streamed", streamed)
+    in_flight: list[tuple[int, int, object]] = []  # (address, bytes, future) of every engine write
+    early: list[int] = []  # buffers given back while a write from them was in flight
+    real_give = BufferPool.give
+
+    def give(self, t):
+        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        if any(lo <= a < hi and not f.done() for a, _n, f in list(in_flight)):
+            early.append(lo)
+        return real_give(self, t)
+
+    monkeypatch.setattr(BufferPool, "give", give)
+    torch.manual_seed(0)
+    m = Deep(layers=2, width=1100)  # each weight's sub-group (4.6 MiB) is larger than a pool buffer (4 MiB)
+    ref = copy.deepcopy(m)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(
+        tmp_path, params="nvme", states="nvme", grads="nvme", sub_group_bytes=8 << 20, overlap_step=overlap))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    real_write = opt.store._engine.write
+
+    def write(f, buf, offset=0):
+        fut = real_write(f, buf, offset)
+        in_flight.append((buf.data_ptr(), buf.numel() * buf.element_size(), fut))
+        return fut
+
+    monkeypatch.setattr(opt.store._engine, "write", write)
+    try:
+        for i in range(3):
+            x = torch.randn(4, 1100, generator=torch.Generator().manual_seed(i))
+            for model, o in ((m, opt), (ref, ref_opt)):
+                model(x).sum().backward()
+                o.step()
+                o.zero_grad()
+            if i == 0:  # the first step creates its states
+                paths["streamed"].clear()
+                paths["direct"].clear()
+        full = opt.full_state_dict()
+        for n, p in ref.named_parameters():
+            assert torch.equal(full[n], p.detach()), n
+    finally:
+        opt.close()
+    # the last two steps wrote the states from their own buffers (the masters here are the ones backward read,
+    # at hand ([Note: masters at hand]): below RESULT_ALIGNED_MIN, that memory is torch's, so they are copied)
+    states = [w for w in paths["streamed"] if "'s" in w]
+    assert not states, states
+    assert any("'s" in w for w in paths["direct"]), paths
+    assert not early

@@ -259,14 +259,17 @@ class Residency:
         tobj.budget.take(p.nbytes)
         self._install(p, tier, copy)
 
-    def _write_disk(self, p: Placement, src: torch.Tensor) -> None:
+    def _write_disk(self, p: Placement, src: torch.Tensor, loan: list | None = None) -> None:
         """Write `src` (the current value, any device) as the persistent copy. When no space can be reserved
         for it (TierstoreIOError, nothing written) a persistent copy that a memory copy has overtaken is
-        dropped -- the memory copy holds the value, the next flush writes it -- and the error is raised."""
+        dropped -- the memory copy holds the value, the next flush writes it -- and the error is raised.
+        `loan`: put()'s lend callback, in a list; taken out of it when the disk writes from `src` itself."""
         cpu = src if src.device.type == "cpu" else self._accel.copy_out(src, self._staging.empty(
             tuple(src.shape), src.dtype))
+        data = encode(p.codec, cpu.contiguous(), p.nbytes)
+        lend = loan.pop() if loan and data.data_ptr() == src.data_ptr() else None  # [Note: lent tensors]
         try:
-            ext = self._disk.write(encode(p.codec, cpu.contiguous(), p.nbytes), f"tensor {p.name!r}")
+            ext = self._disk.write(data, f"tensor {p.name!r}", lend)
         except TierstoreIOError:
             if self._disk_name in p.copies and self._memory_copy(p) is not None:
                 self._remove(p, self._disk_name)  # stale: resident(writeback=True) changed the memory copy
@@ -360,8 +363,18 @@ class Residency:
                 self.write_failed(p, ext, err)
 
     # -- put --------------------------------------------------------------------------------------------------
-    def put(self, name: str, value: torch.Tensor, tier: str | None, codec) -> Placement:
-        """Place `value` under `name` (on `tier`, or the fastest with room), replacing what the name held."""
+    def put(self, name: str, value: torch.Tensor, tier: str | None, codec,
+            lend: Callable[[], None] | None = None) -> Placement:
+        """Place `value` under `name` (on `tier`, or the fastest with room), replacing what the name held.
+        `lend`: see Store.put; called exactly once, also when this raises."""
+        loan = [lend] if lend is not None else []
+        try:
+            return self._put(name, value, tier, codec, loan)
+        finally:
+            if loan:  # not lent to a write: the value was copied, or nothing was stored
+                loan.pop()()
+
+    def _put(self, name: str, value: torch.Tensor, tier: str | None, codec, loan: list) -> Placement:
         self._check_copy_fits(name, value, tier, codec)
         with self.lock:
             self.check_open()
@@ -372,7 +385,7 @@ class Residency:
             try:
                 for tr in ([tier] if tier is not None else TIERS):
                     if tier_info(tr).persistent:
-                        self._write_disk(p, value)
+                        self._write_disk(p, value, loan)
                     elif self._make_room(tr, p.nbytes, exclude=p):
                         self._place_memory(p, tr, value)
                     else:

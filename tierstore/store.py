@@ -42,7 +42,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -219,17 +219,34 @@ class Store:
                                 getattr(err, "length", None))
 
     # -- public API --------------------------------------------------------------------------------------
-    def put(self, name: str, value, tier: str | None = None, *, codec=None) -> TieredTensor:
+    def put(self, name: str, value, tier: str | None = None, *, codec=None,
+            lend: Callable[[], None] | None = None) -> TieredTensor:
         """Store a copy of `value` (torch tensor on any device, numpy array, DLPack object) under `name`,
-        replacing any tensor of that name. tier: 'device', 'host', 'nvme' or None (fastest with room)."""
-        if not isinstance(name, str) or not name:
-            raise TierstoreValueError(f"name={name!r} must be a non-empty string")
-        if tier is not None:
-            tier_info(tier)
-        if codec is not None and not all(hasattr(codec, a) for a in ("encode", "decode", "get_config")):
-            raise TierstoreValueError(f"codec={codec!r} needs encode/decode/get_config (a numcodecs Codec)")
-        self._check_writable(f"put({name!r})")
-        return self._handle(self._res.put(name, to_dlpack_tensor(value), tier, codec))
+        replacing any tensor of that name. tier: 'device', 'host', 'nvme' or None (fastest with room).
+
+        lend: a callable to lend `value` instead of having it copied -- you promise to leave it unchanged
+        until the store calls `lend()`, which it does exactly once (also when put raises), as soon as it no
+        longer needs the memory. Written to nvme, a 4 KiB-aligned CPU tensor larger than a pool buffer
+        (aligned_empty, a BufferPool buffer) then goes to disk from its own memory after put returns, with
+        no copy; anything else is copied as usual and `lend()` is called before put returns. For a writer
+        that recycles its buffers anyway (see [Note: lent tensors] in tiers/nvme/writes.py)."""
+        try:
+            if not isinstance(name, str) or not name:
+                raise TierstoreValueError(f"name={name!r} must be a non-empty string")
+            if tier is not None:
+                tier_info(tier)
+            if codec is not None and not all(hasattr(codec, a) for a in ("encode", "decode", "get_config")):
+                raise TierstoreValueError(f"codec={codec!r} needs encode/decode/get_config (a numcodecs Codec)")
+            if lend is not None and not callable(lend):
+                raise TierstoreValueError(f"lend={lend!r} must be a callable (called once the store no longer "
+                                          "needs the value's memory) or None")
+            self._check_writable(f"put({name!r})")
+            value = to_dlpack_tensor(value)
+        except BaseException:
+            if callable(lend):
+                lend()
+            raise
+        return self._handle(self._res.put(name, value, tier, codec, lend))
 
     def tensor(self, name: str) -> TieredTensor:
         """The TieredTensor handle of `name` (KeyError if absent)."""

@@ -15,7 +15,8 @@ import sys
 TORCH_CASES: dict[str, dict] = {"torch-fused": {"fused": True}, "torch-foreach": {"foreach": True}}
 # case -> (tier of everything, state codec, OffloadConfig.overlap_step)
 TIERSTORE_CASES = {"host": ("host", None, False), "nvme": ("nvme", None, False), "nvme8": ("nvme", "dynamic8", False),
-                   "nvme-overlap": ("nvme", None, True), "nvme-noreuse": ("nvme", None, False)}
+                   "nvme-overlap": ("nvme", None, True), "nvme8-overlap": ("nvme", "dynamic8", True),
+                   "nvme-noreuse": ("nvme", None, False)}
 
 
 def offload_config(case: str, spec: dict):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -177,9 +177,11 @@ class PersistentTier(Tier, Protocol):
     stripe_unit: int  # bytes
     files: list
 
-    def write(self, src: torch.Tensor, what: str = "a tensor") -> Any:
+    def write(self, src: torch.Tensor, what: str = "a tensor", lend: Callable[[], None] | None = None) -> Any:
         """Start writing the bytes of contiguous CPU `src`; returns its extent, readable at once. Raises
-        TierstoreIOError with nothing written when no space can be reserved."""
+        TierstoreIOError with nothing written when no space can be reserved. `lend`: the caller leaves `src`
+        unchanged until `lend()` is called, which happens exactly once (also when this raises), as soon as
+        the tier no longer needs the memory -- so the tier may write from it instead of copying it first."""
 
     def read(self, e: Any, out: torch.Tensor, what: str) -> None:
         """Read extent `e` into `out` (contiguous uint8 CPU, e.length elements), its checksum checked."""

@@ -66,14 +66,17 @@ class EightBitStates:
         scheme, n = self.packed[(gid, key)]
         return Quantized.packed(buf, scheme, n, self.policy.block_size)
 
-    def put(self, gid: int, key: str, v: torch.Tensor) -> None:
-        """Store state `key` of sub-group `gid` (fp32 value `v`), packing it when its scheme says so."""
+    def put(self, gid: int, key: str, v: torch.Tensor, lend=None) -> None:
+        """Store state `key` of sub-group `gid` (fp32 value `v`), packing it when its scheme says so. `lend`:
+        see Store.put (`v` is lent only when it is stored as it is)."""
         name = keys.state(gid, key)
         scheme = self.scheme(key, v)
         if scheme is None:
             self.packed.pop((gid, key), None)
-            self.store.put(name, v, tier=self.tier)
+            self.store.put(name, v, tier=self.tier, lend=lend)
             return
+        if lend is not None:
+            lend()  # packed into a buffer of our own: `v` is not needed
         from ..quant import packed
         from ..quant.quantized import Quantized, quantize
         n = v.numel()
@@ -81,13 +84,13 @@ class EightBitStates:
         with torch.profiler.record_function("tierstore::quantize_state"):
             quantize(v, scheme, self.policy.block_size, out=Quantized.packed(buf, scheme, n, self.policy.block_size),
                      nthreads=self.nthreads)
-        self.store.put(name, buf, tier=self.tier)
+        self.store.put(name, buf, tier=self.tier, lend=lambda: self.buffers.give(buf))
         self.packed[(gid, key)] = (scheme, n)
-        self.buffers.give(buf)
 
-    def put_packed(self, gid: int, key: str, buf: torch.Tensor) -> None:
-        """Store the packed buffer of an 8-bit state as it is (the fused step updated its codes in place)."""
-        self.store.put(keys.state(gid, key), buf, tier=self.tier)
+    def put_packed(self, gid: int, key: str, buf: torch.Tensor, lend=None) -> None:
+        """Store the packed buffer of an 8-bit state as it is (the fused step updated its codes in place);
+        `lend`: see Store.put."""
+        self.store.put(keys.state(gid, key), buf, tier=self.tier, lend=lend)
 
     def unpack(self, gid: int, key: str, buf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 value of the packed state `key` held in `buf` (into `out`, or a recycled buffer)."""

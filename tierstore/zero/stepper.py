@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..io import ALIGN
 from ..tiers import tier_info
+from ..tiers.host import aligned_empty
 from . import keys
 from .disk_bytes import DiskBytes
 from .pipeline import StepPipeline
@@ -63,13 +65,44 @@ class BufferPool:
             free = self._free.get((numel, dtype))
             if free:
                 return free.pop()
+        if self.device.type == "cpu":  # 4 KiB-aligned: the nvme tier reads into it and writes out of it directly
+            return aligned_empty(numel * dtype.itemsize, lock=False).view(dtype)  # ([Note: lent tensors])
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def give(self, t: torch.Tensor) -> None:
+        if self.device.type == "cpu" and t.data_ptr() % ALIGN:  # not one of ours (a gradient partition, a
+            return  # master read by backward): recycling it would put an unaligned buffer in the nvme reads' way
         with self._lock:
             free = self._free.setdefault((t.numel(), t.dtype), [])
             if len(free) < self.keep:
                 free.append(t)
+
+
+class Returns:
+    """Gives `tensors` back to `buffers` once every write they were lent to has finished ([Note: lent
+    tensors] in tiers/nvme/writes.py): ``lend()`` is the callback for one more put; ``done()`` says no more
+    will be lent."""
+
+    def __init__(self, buffers: BufferPool, tensors: list[torch.Tensor]):
+        self.buffers, self.tensors = buffers, tensors
+        self._left = 1  # lends not yet returned, +1 until done()
+        self._lock = threading.Lock()
+
+    def lend(self):
+        with self._lock:
+            self._left += 1
+        return self._back
+
+    def done(self) -> None:
+        self._back()
+
+    def _back(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+        for t in self.tensors:
+            self.buffers.give(t)
 
 
 @dataclass
@@ -326,11 +359,12 @@ class SubgroupStepper:
     def save(self, t: LoadedSubgroup) -> None:
         cfg = self.config
         gid, got, resident = t.gid, t.tensors, t.resident
+        back = Returns(self.buffers, [v for role, v in got.items() if role not in resident])
         try:
             master = t.master_out
             assert master is not None  # step_loaded() fills it before save()
             if "master" not in resident or master.data_ptr() != got["master"].data_ptr():
-                self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
+                self.store.put(keys.master(gid), master, tier=cfg.optimizer_states, lend=back.lend())
                 self.disk.count(keys.master(gid), write=True)
             pname = keys.param(gid)
             if self.shared_master:
@@ -346,9 +380,9 @@ class SubgroupStepper:
                 if isinstance(v, torch.Tensor):
                     same = k in resident and got[k].data_ptr() == v.data_ptr()
                     if t.fused and self.states8.is_packed(gid, k):  # still packed: the fused step updated the codes
-                        self.states8.put_packed(gid, k, v)
+                        self.states8.put_packed(gid, k, v, lend=back.lend())
                     elif not same:
-                        self.states8.put(gid, k, v)
+                        self.states8.put(gid, k, v, lend=back.lend())
                     if not same or t.fused:
                         self.disk.count(keys.state(gid, k), write=True)
                     names.append(k)
@@ -358,6 +392,4 @@ class SubgroupStepper:
             self.aux[gid] = aux
         finally:
             t.close()
-            for role, v in got.items():
-                if role not in resident:
-                    self.buffers.give(v)
+            back.done()  # the buffers go back to the pool once the writes lent them are done

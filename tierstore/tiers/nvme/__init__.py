@@ -20,6 +20,7 @@ The parts, each below the one before it:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -101,18 +102,24 @@ class NvmeTier:
         self.space.adopt(extents)
 
     # -- writes ----------------------------------------------------------------------------------
-    def write(self, src: torch.Tensor, what: str = "a tensor") -> Extent:
+    def write(self, src: torch.Tensor, what: str = "a tensor", lend: Callable[[], None] | None = None) -> Extent:
         """Start writing the bytes of `src` (a contiguous CPU tensor, any dtype); returns its extent at once.
 
-        The copy is taken before returning, so `src` may change afterwards. `extent.written` resolves when
-        the bytes are in the file (not yet durable: see sync()). The extent's disk space is reserved before
-        returning: a full disk raises TierstoreIOError (ENOSPC) here, naming `what`, with nothing written
-        (see [Note: space is reserved when it is allocated] in writes.py)."""
-        self._check()
-        if self.read_only:
-            raise MisuseError("the nvme tier was opened read-only (Store.open(paths, mode='r')); open the store "
-                              "with mode='w' to write")
-        return self._writer.write(src, what)
+        The copy is taken before returning, so `src` may change afterwards -- unless it is lent (`lend`, see
+        [Note: lent tensors] in writes.py: `lend()` is called exactly once, also when this raises).
+        `extent.written` resolves when the bytes are in the file (not yet durable: see sync()). The extent's
+        disk space is reserved before returning: a full disk raises TierstoreIOError (ENOSPC) here, naming
+        `what`, with nothing written (see [Note: space is reserved when it is allocated] in writes.py)."""
+        try:
+            self._check()
+            if self.read_only:
+                raise MisuseError("the nvme tier was opened read-only (Store.open(paths, mode='r')); open the "
+                                  "store with mode='w' to write")
+        except BaseException:
+            if lend is not None:
+                lend()
+            raise
+        return self._writer.write(src, what, lend)
 
     def seal(self) -> None:
         """Write what is staged now (normally done when the buffer is full or the data is needed)."""

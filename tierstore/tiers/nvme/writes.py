@@ -14,6 +14,14 @@ straight from its own memory with O_DIRECT, no copy, in pool-buffer-sized reques
 is computed on the calling thread over each request's bytes while the disk moves them, and the call returns
 once the writes are done -- the tensor may change after it returns, as with a copy. Only the partial last
 4 KiB block goes through a pool buffer (the extent's padding follows it).
+
+[Note: lent tensors]
+A caller that can leave the tensor unchanged until the disk has it -- the step pipeline writing the buffers
+it steps in, which it recycles anyway -- lends it (`write(..., lend=callback)`): an aligned tensor larger
+than a pool buffer is then written in place the same way but the call returns at once, and `callback()`
+runs (on the engine's completion thread, or at once where the tensor was copied after all) when the memory
+is the caller's again, whether the write succeeded or not. Its error, as a streamed write's, is reported by
+the read or the flush. The step's writes then cost the crc32c alone, not a memmove of every byte first.
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ import functools
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -158,24 +167,37 @@ class ExtentWriter:
                 self._inflight.discard(f)
         fut.add_done_callback(done)
 
-    def write(self, src: torch.Tensor, what: str) -> Extent:
-        """Start writing the bytes of `src` (a contiguous CPU tensor, any dtype); see NvmeTier.write."""
+    def write(self, src: torch.Tensor, what: str, lend: Callable[[], None] | None = None) -> Extent:
+        """Start writing the bytes of `src` (a contiguous CPU tensor, any dtype); see NvmeTier.write. `lend`:
+        see [Note: lent tensors]."""
         n = src.numel() * src.element_size()  # bytes
-        if n == 0:
-            return Extent(0, 0, 0, 0, 0)
         if src.device.type != "cpu" or not src.is_contiguous():
+            if lend is not None:
+                lend()
             raise TierstoreValueError("the nvme tier writes contiguous CPU tensors")
         alen = align_up(n)
+        aligned = src.data_ptr() % ALIGN == 0
         t0 = time.perf_counter()
         try:
             with profile_range("tierstore::nvme_write"):
+                if n == 0:
+                    return Extent(0, 0, 0, 0, 0)
+                if lend is not None and aligned and alen > self.pool.buffer_bytes:
+                    e = self._write_direct(src, n, alen, what, lend)
+                    lend = None  # _write_direct calls it once the disk has the bytes
+                    return e
                 if alen <= self.pool.buffer_bytes:
                     return self._write_staged(src.data_ptr(), n, alen, what)
-                if src.data_ptr() % ALIGN == 0 and alen >= self.pool.nbytes:
-                    return self._write_in_place(src, n, alen, what)
+                if aligned and alen >= self.pool.nbytes:  # [Note: large aligned tensors are written in place]
+                    e = self._write_direct(src, n, alen, what, None)
+                    assert e.written is not None
+                    e.written.exception()  # wait: the tensor is the caller's again when this returns
+                    return e
                 return self._write_streamed(src.data_ptr(), n, alen, what)
         finally:
             self.stats.add("in", n, time.perf_counter() - t0)
+            if lend is not None:
+                lend()  # copied, or nothing written: the memory is the caller's again
 
     def _write_staged(self, addr: int, n: int, alen: int, what: str) -> Extent:
         with self._lock:
@@ -248,39 +270,62 @@ class ExtentWriter:
             self.files.dirty.add(f)
             return f, off, self.files.list[f]
 
-    def _write_in_place(self, src: torch.Tensor, n: int, alen: int, what: str) -> Extent:
-        """See [Note: large aligned tensors are written in place]."""
+    def _write_direct(self, src: torch.Tensor, n: int, alen: int, what: str,
+                      lend: Callable[[], None] | None) -> Extent:
+        """Write `src` (4 KiB-aligned) from its own memory ([Note: large aligned tensors are written in place],
+        [Note: lent tensors]); returns at once. `lend()` runs once every request has finished."""
         f, off, sf = self._claim(alen, what)
         addr, bb = src.data_ptr(), self.pool.buffer_bytes
         src = src.reshape(-1).view(torch.uint8)  # bytes
         body = n - n % ALIGN  # bytes written from the tensor itself
-        ios: list[Future] = []
-        crcs = BlockCrcs()  # [Note: block checksums] in extents.py
         tail: Buffer | None = None
         fut: Future = Future()
+        left = 1  # requests not finished yet, +1 until every one is submitted
+        err: BaseException | None = None  # the first error
+        lock = threading.Lock()
+
+        def one_done(io: Future | None) -> None:
+            nonlocal left, err
+            with lock:
+                if io is not None and io.exception() is not None and err is None:
+                    err = io.exception()
+                left -= 1
+                if left:
+                    return
+            if tail is not None:
+                tail.release()
+            if lend is not None:
+                lend()
+            if err is None:
+                fut.set_result(n)
+            else:
+                fut.set_exception(err)  # reported like a streamed write's: by the read or the flush
+
+        def submit(data: torch.Tensor, at: int) -> None:
+            nonlocal left
+            io = self.engine.write(sf, data, at)
+            with lock:
+                left += 1
+            io.add_done_callback(one_done)
+
+        self._track(fut)
+        crcs = BlockCrcs()  # [Note: block checksums] in extents.py
         try:
-            try:
-                for a in range(0, body, bb):
-                    take = min(bb, body - a)
-                    ios.append(self.engine.write(sf, src[a:a + take], off + a))
-                    crcs.feed(addr + a, take)  # [Note: one pass over the data, while it is in cache]
-                if body < n:
-                    tail = self.lease()
-                    ctypes.memmove(tail.addr, addr + body, n - body)
-                    crcs.feed(tail.addr, n - body)
-                    ios.append(self.engine.write(sf, tail.tensor(torch.uint8, ALIGN), off + body))
-            finally:
-                for io in ios:
-                    io.exception()  # wait: the tensor's memory is the caller's again when this returns
-                if tail is not None:
-                    tail.release()
-            err = next((io.exception() for io in ios if io.exception() is not None), None)
-        except Exception as e:
-            err = e
-        if err is None:
-            fut.set_result(n)
-        else:
-            fut.set_exception(err)  # reported like a streamed write's: by the read or the flush
+            for a in range(0, body, bb):
+                take = min(bb, body - a)
+                submit(src[a:a + take], off + a)
+                crcs.feed(addr + a, take)  # [Note: one pass over the data, while it is in cache]
+            if body < n:
+                tail = self.lease()
+                ctypes.memmove(tail.addr, addr + body, n - body)
+                crcs.feed(tail.addr, n - body)
+                submit(tail.tensor(torch.uint8, ALIGN), off + body)
+        except BaseException as e:  # the rest is never submitted: the extent is never read (its future fails)
+            with lock:
+                err = err or e
+        one_done(None)  # every request is submitted
+        if crcs.total != n:
+            return Extent(f, off, n, alen, 0, fut)
         crc, blocks = crcs.finish()
         return Extent(f, off, n, alen, crc, fut, blocks)
 
