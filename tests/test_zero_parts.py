@@ -40,10 +40,10 @@ def test_every_store_name_is_built_by_the_key_helper(tmp_path):
 
 
 class _Layout:
-    """Just what Prefetcher reads of a Layout: bucket(gid).numel / .dtype."""
+    """Just what Prefetcher reads of a Layout: bucket(gid).numel / .shard_numel / .dtype."""
 
     class _B:
-        numel, dtype = 4, torch.float32
+        numel, shard_numel, dtype = 4, 2, torch.float32
 
     def bucket(self, gid):
         return self._B()
@@ -77,6 +77,37 @@ def test_prefetcher_reads_ahead_hands_over_and_drops():
     off = Prefetcher(_Layout(), fetch, held.__contains__, device=torch.device("cpu"), depth=0)
     off.ahead([[5]])
     assert not off.enabled and off.reads_in_flight == 0 and 5 not in reads
+
+
+def test_prefetcher_reads_further_ahead_within_its_bytes():
+    """[Note: reading ahead by bytes]: past the depth, modules are read ahead while the shards read ahead and
+    not yet used fit in read_bytes, in order; a shard used frees its bytes for the next module."""
+    from tierstore.zero.prefetch import READ_AHEAD_MAX, READ_WORKERS, Prefetcher
+    reads = []
+
+    def fetch(gid):
+        reads.append(gid)
+        return torch.full((2,), float(gid))
+
+    shard = 2 * 4  # bytes of one shard of _Layout
+    pf = Prefetcher(_Layout(), fetch, lambda gid: False, device=torch.device("cpu"), depth=1, read_bytes=3 * shard)
+    try:
+        assert pf.span == 1 + READ_AHEAD_MAX and pf._executor._max_workers == READ_WORKERS
+        pf.ahead([[0], [], [1, 2], [3], [4]])  # depth: module 0; then 1 and 2 (with 0: 3 shards); 3 would not fit
+        assert sorted(pf._prefetched) == [0, 1, 2]
+        pf.ahead([[0], [], [1, 2], [3], [4]])  # asked again: nothing twice
+        assert pf.shard(0).tolist() == [0.0, 0.0]
+        pf.ahead([[], [1, 2], [3], [4]])  # 0 used: room for 3, not for 4
+        assert sorted(pf._prefetched) == [1, 2, 3]
+        pf.drop()
+        assert sorted(reads) == [0, 1, 2, 3] and pf.reads_in_flight == 0
+    finally:
+        pf.close()
+    pf = Prefetcher(_Layout(), fetch, lambda gid: False, device=torch.device("cpu"), depth=1, read_bytes=0)
+    try:
+        assert pf.span == 1 and pf._executor._max_workers == 1  # by modules only, as before
+    finally:
+        pf.close()
 
 
 def test_loaded_subgroup_is_typed_and_the_stepper_steps_it(tmp_path):

@@ -53,6 +53,10 @@ class OffloadConfig:
     prefetch_depth: modules ahead of use whose buckets are prepared (traced prefetch; 0: off): shards read up
         from the store and copied to the device 2 x depth modules ahead, all-gathers posted depth ahead
         (world size > 1).
+    prefetch_bytes: beyond those modules, further modules' shards are read ahead while the shards read ahead
+        and not yet used add up to at most this (bytes, per rank; 0: depth modules only), several reads at
+        once: small layers (a few MiB each) otherwise leave the disk one request deep. See [Note: reading
+        ahead by bytes] in prefetch.py.
     reuse_bytes: gathered parameters the end of forward keeps for the start of backward (bytes, per rank;
         DeepSpeed's stage3_max_reuse_distance in spirit): the buckets the forward's last module calls use,
         as many as fit in this, are not released and gathered (read) again -- backward needs them first.
@@ -90,6 +94,7 @@ class OffloadConfig:
     compute_dtype: torch.dtype = torch.float32
     gradient_dtype: torch.dtype = torch.float32
     prefetch_depth: int = 2
+    prefetch_bytes: int = 64 << 20  # bytes
     reuse_bytes: int | None = None  # bytes; None: 2 x sub_group_bytes
     sub_group_bytes: int = 64 << 20  # bytes
     min_io_bytes: int = 1 << 20  # bytes
@@ -132,7 +137,7 @@ class OffloadConfig:
         if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
             raise TierstoreValueError(f"OffloadConfig(reuse_bytes={r!r}): an integer >= 0 (0: off), or None "
                                       f"(2 x sub_group_bytes)")
-        for name, least in (("prefetch_depth", 0), ("sub_group_bytes", 1), ("min_io_bytes", 0),
+        for name, least in (("prefetch_depth", 0), ("prefetch_bytes", 0), ("sub_group_bytes", 1), ("min_io_bytes", 0),
                             ("pinned_bytes", 1 << 20), ("pipeline_depth", 1), ("loss_scale_window", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < least:

@@ -130,6 +130,7 @@ class ParamCoordinator:
                  fetch_shard: Callable[[int], torch.Tensor], grad_sink: PartitionSink, *,
                  device: torch.device, group=None, quantized_weights: bool = False,
                  quantized_gradients: bool = False, intra_node_size: int | None = None, prefetch_depth: int = 0,
+                 prefetch_bytes: int = 0,
                  reuse_bytes: int = 0,
                  lend_shard: Callable[[int], tuple[torch.Tensor, Callable[[], None]] | None] | None = None):
         self.model = model
@@ -176,7 +177,8 @@ class ParamCoordinator:
         # a lent shard is not read ahead: using it costs nothing
         self.prefetcher = Prefetcher(layout, fetch_shard,
                                      lambda gid: gid in self.residency.protocol or self._lent.get(gid, False),
-                                     device=device, group=group, quantized=quantized_weights, depth=prefetch_depth)
+                                     device=device, group=group, quantized=quantized_weights, depth=prefetch_depth,
+                                     read_bytes=prefetch_bytes)
         # -- counters (tests, diagnostics; read them through stats()); the prefetcher keeps its own
         self.gathers_on_demand = 0  # all-gathers issued when a module needed the bucket (not posted ahead)
         self.prefetch_hits_backward = 0

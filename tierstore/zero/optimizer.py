@@ -269,6 +269,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
             group=process_group, quantized_weights=config.quantized_weights and self.world_size > 1,
             quantized_gradients=config.quantized_gradients and self.world_size > 1,
             intra_node_size=config.intra_node_size, prefetch_depth=config.prefetch_depth,
+            prefetch_bytes=config.prefetch_bytes,
             reuse_bytes=config.reuse_budget, lend_shard=None if config.overlap_step else self._lend_param_shard)
         self.hpz = Hpz.attach(self.coordinator, config.hpz_partition_size, params_tier=config.params)  # or None
         # [Note: masters at hand] in stepper.py: backward's gathered masters read from nvme, kept for the step
