@@ -518,9 +518,10 @@ def test_8bit_states_are_one_extent_each_scales_and_codes_together(tmp_path):
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["step", "overlapped"])
 def test_the_steps_writes_come_from_its_buffers_which_come_back_only_when_written(tmp_path, monkeypatch, overlap):
-    """[Note: lent tensors]: the step writes each sub-group's master and states out of the aligned buffers it
-    stepped them in (no copy into pool buffers first), and a buffer is recycled for another sub-group only
-    once every write from it has finished; training stays bit-equal to torch."""
+    """[Note: lent tensors]: the step writes each sub-group's states out of the aligned buffers it stepped them
+    in, and backward its gradient partitions out of the buffers they were reduced in (no copy into pool
+    buffers first); a buffer is recycled only once every write from it has finished; training stays
+    bit-equal to torch."""
     from tierstore.tiers.nvme.writes import ExtentWriter
     from tierstore.zero.stepper import BufferPool
 
@@ -577,9 +578,10 @@ def test_the_steps_writes_come_from_its_buffers_which_come_back_only_when_writte
             assert torch.equal(full[n], p.detach()), n
     finally:
         opt.close()
-    # the last two steps wrote the states from their own buffers (the masters here are the ones backward read,
-    # at hand ([Note: masters at hand]): below RESULT_ALIGNED_MIN, that memory is torch's, so they are copied)
-    states = [w for w in paths["streamed"] if "'s" in w]
-    assert not states, states
+    # the last two steps wrote the states, and backward the gradient partitions, from their own buffers (the
+    # masters here are the ones backward read, at hand ([Note: masters at hand]): below RESULT_ALIGNED_MIN,
+    # that memory is torch's, so they are copied)
+    copied = [w for w in paths["streamed"] if "'s" in w or "'g" in w]
+    assert not copied, copied
     assert any("'s" in w for w in paths["direct"]), paths
     assert not early

@@ -156,16 +156,19 @@ class GradPartitions:
         self.disk.count(name, write=False)
 
     def _write(self, name: str, part: torch.Tensor) -> None:
-        """nvme partition `name` <- fp32 `part`, rounded to the stored dtype."""
-        if self.dtype == torch.float32:
-            self.store.put(name, part, tier=self.tier)
-        else:
-            low = self.buffers.take(part.numel(), self.dtype)
-            try:
-                low.copy_(part)
-                self.store.put(name, low, tier=self.tier)
-            finally:
-                self.buffers.give(low)
+        """nvme partition `name` <- fp32 `part` (a buffer of ``buffers``), rounded to the stored dtype; `part`
+        goes back to the buffers once the disk has it: it is lent to the write ([Note: lent tensors] in
+        tiers/nvme/writes.py), or copied to the stored dtype first."""
+        src = part
+        try:
+            if self.dtype != torch.float32:
+                src = self.buffers.take(part.numel(), self.dtype)
+                src.copy_(part)
+                self.buffers.give(part)
+        except BaseException:
+            self.buffers.give(part)
+            raise
+        self.store.put(name, src, tier=self.tier, lend=lambda: self.buffers.give(src))
         self.disk.count(name, write=True)
 
     def close(self, gid: int, part: torch.Tensor, *, hand_over: bool = False) -> None:
@@ -180,10 +183,7 @@ class GradPartitions:
         if hand_over:
             self.handed[gid] = part
             return
-        try:
-            self._write(keys.grad(gid), part)
-        finally:
-            self.buffers.give(part)
+        self._write(keys.grad(gid), part)  # gives `part` back
 
     def keep(self, gid: int) -> None:
         """Partition `gid`, closed with hand_over, is not stepped now after all (world size N: another rank had
@@ -192,10 +192,7 @@ class GradPartitions:
         part = self.handed.pop(gid, None)
         if part is None:  # a memory tier: it is in the store already
             return
-        try:
-            self._write(keys.grad(gid), part)  # in the stored dtype ([Note: gradient dtype on nvme])
-        finally:
-            self.buffers.give(part)
+        self._write(keys.grad(gid), part)  # in the stored dtype ([Note: gradient dtype on nvme]); gives it back
 
     def abort(self, gid: int, part: torch.Tensor | None = None) -> None:
         """open() (or open_early()) was not followed by close() (an error): leave it as it was. `part`: what
