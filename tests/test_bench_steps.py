@@ -17,14 +17,15 @@ TINY = ["--rounds", "2", "--warmup", "1", "--sub-group", "256K", "--pinned", "4M
 def test_bench_optim_tiny_runs_every_tierstore_case(tmp_path, capsys):
     out = tmp_path / "optim.json"
     rc = main(["bench", "optim", "--params", "1.5e5", "--width", "128", "--batch", "4",
-               "--cases", "torch-fused,host,nvme,nvme8,nvme-overlap,nvme-noreuse", "--dir", str(tmp_path / "d"),
+               "--cases", "torch-fused,host,nvme,nvme8,nvme-overlap,nvme8-overlap,nvme-noreuse",
+               "--dir", str(tmp_path / "d"),
                "--json", str(out), *TINY])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["layers"] == 9 and r["parameters"] == 9 * (128 * 128 + 128)
-    assert set(r["median"]) == {"torch-fused", "host", "nvme", "nvme8", "nvme-overlap", "nvme-noreuse", "raw-read",
-                                "raw-write", "raw-both"}
-    for c in ("torch-fused", "host", "nvme", "nvme8", "nvme-overlap"):
+    assert set(r["median"]) == {"torch-fused", "host", "nvme", "nvme8", "nvme-overlap", "nvme8-overlap",
+                                "nvme-noreuse", "raw-read", "raw-write", "raw-both"}
+    for c in ("torch-fused", "host", "nvme", "nvme8", "nvme-overlap", "nvme8-overlap"):
         m = r["median"][c]
         assert 0 < m["fwd_bwd"] < m["full"] and 0 < m["step"] < m["full"]
         assert len(r["samples"][c]) == 2  # one timed step per round
@@ -38,6 +39,9 @@ def test_bench_optim_tiny_runs_every_tierstore_case(tmp_path, capsys):
     assert nvme["disk_written_master"] == pytest.approx(4 * r["parameters"], rel=0.05)
     # the overlapped step takes each gradient partition from backward: no gradient byte touches the disk
     assert nvme["disk_written_grads"] > 0 and r["bytes_per_step"]["nvme-overlap"]["disk_written_grads"] == 0
+    both = r["bytes_per_step"]["nvme8-overlap"]  # 8-bit states and no gradient bytes
+    assert both["disk_written_grads"] == 0 and both["disk_written_states"] < nvme["disk_written_states"] / 3
+    assert r["ratios"]["nvme8-overlap speedup over nvme-overlap, full"] > 0
     # reuse_bytes: backward reads fewer parameters, the step fewer masters, than with it off; the rest the same
     off = r["bytes_per_step"]["nvme-noreuse"]
     assert nvme["disk_read_params"] < off["disk_read_params"] and nvme["disk_read_master"] < off["disk_read_master"]

@@ -4,7 +4,7 @@
 Cases: torch-fused / torch-foreach (torch.optim.AdamW in memory, the reference), host (Zero3Optimizer over
 AdamW(fused=True), as the reference, with parameters, gradients, master and states on the host tier), nvme (all
 of them on the nvme tier), nvme8 (nvme with state_codec="dynamic8"), nvme-overlap (nvme with overlap_step),
-nvme-noreuse (nvme with reuse_bytes=0: what is at hand is read again).
+nvme8-overlap (both), nvme-noreuse (nvme with reuse_bytes=0: what is at hand is read again).
 """
 from __future__ import annotations
 
