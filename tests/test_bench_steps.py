@@ -13,6 +13,17 @@ from tierstore.cli import main
 TINY = ["--rounds", "2", "--warmup", "1", "--sub-group", "256K", "--pinned", "4M", "--threads", "1"]
 
 
+
+def test_the_overlapped_step_alone_gets_the_raw_engine_on_its_own_bytes(tmp_path):
+    out = tmp_path / "optim.json"
+    rc = main(["bench", "optim", "--params", "1.5e5", "--width", "128", "--batch", "4",
+               "--cases", "torch-fused,nvme-overlap", "--dir", str(tmp_path / "d"), "--json", str(out), *TINY])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert set(r["median"]) == {"torch-fused", "nvme-overlap", "raw-both-overlap"}  # no nvme case: no raw-read
+    assert r["ratios"]["nvme-overlap full / max(torch-fused full, raw read+write at once)"] > 0
+
+
 @pytest.mark.slow  # a process per case: ~5 s each on a quiet machine
 def test_bench_optim_tiny_runs_every_tierstore_case(tmp_path, capsys):
     out = tmp_path / "optim.json"
@@ -24,7 +35,7 @@ def test_bench_optim_tiny_runs_every_tierstore_case(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert r["layers"] == 9 and r["parameters"] == 9 * (128 * 128 + 128)
     assert set(r["median"]) == {"torch-fused", "host", "nvme", "nvme8", "nvme-overlap", "nvme8-overlap",
-                                "nvme-noreuse", "raw-read", "raw-write", "raw-both"}
+                                "nvme-noreuse", "raw-read", "raw-write", "raw-both", "raw-both-overlap"}
     for c in ("torch-fused", "host", "nvme", "nvme8", "nvme-overlap", "nvme8-overlap"):
         m = r["median"][c]
         assert 0 < m["fwd_bwd"] < m["full"] and 0 < m["step"] < m["full"]
@@ -42,6 +53,8 @@ def test_bench_optim_tiny_runs_every_tierstore_case(tmp_path, capsys):
     both = r["bytes_per_step"]["nvme8-overlap"]  # 8-bit states and no gradient bytes
     assert both["disk_written_grads"] == 0 and both["disk_written_states"] < nvme["disk_written_states"] / 3
     assert r["ratios"]["nvme8-overlap speedup over nvme-overlap, full"] > 0
+    # each nvme case against the raw engine moving its own bytes
+    assert r["ratios"]["nvme-overlap full / max(torch-fused full, raw read+write at once)"] > 0
     # reuse_bytes: backward reads fewer parameters, the step fewer masters, than with it off; the rest the same
     off = r["bytes_per_step"]["nvme-noreuse"]
     assert nvme["disk_read_params"] < off["disk_read_params"] and nvme["disk_read_master"] < off["disk_read_master"]
