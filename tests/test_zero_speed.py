@@ -5,6 +5,7 @@ bytes by kind] in disk_bytes.py)."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -585,3 +586,31 @@ def test_the_steps_writes_come_from_its_buffers_which_come_back_only_when_writte
     assert not copied, copied
     assert any("'s" in w for w in paths["direct"]), paths
     assert not early
+
+
+def test_synchronize_waits_for_the_reads_the_step_started_and_its_writes(tmp_path):
+    """Zero3Optimizer.synchronize(): the next forward's reads that step() started ([Note: prefetch after the
+    step]) and the writes still in flight have finished when it returns; training is unchanged."""
+    torch.manual_seed(0)
+    m = Deep(layers=3, width=1100)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(
+        tmp_path, params="nvme", states="nvme", grads="nvme", sub_group_bytes=8 << 20))
+    try:
+        pf = opt.coordinator.prefetcher
+        fetch = pf.fetch_shard
+        for i in range(2):
+            m(torch.randn(4, 1100)).sum().backward()
+            if i == 1:  # reads that take a while
+                pf.fetch_shard = lambda gid: (time.sleep(0.3), fetch(gid))[1]
+            opt.step()
+            opt.zero_grad()
+        assert pf.reads_in_flight  # the next forward's first shards, read ahead by the step
+        assert not all(f.done() for f in pf._prefetched.values())
+        opt.synchronize()
+        assert all(f.done() for f in pf._prefetched.values()) and pf.reads_in_flight
+        writer = opt.store._nvme._writer
+        assert not writer._inflight  # every write submitted has finished
+        m(torch.randn(4, 1100)).sum().backward()  # and they are used as before
+        assert pf.prefetch_hits > 0
+    finally:
+        opt.close()

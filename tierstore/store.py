@@ -320,6 +320,13 @@ class Store:
 
     __delitem__ = delete
 
+    def synchronize(self) -> None:
+        """Wait until every write submitted to the nvme tier so far has reached its file -- lent tensors are
+        then back with their owners -- for timing work that writes (as torch.cuda.synchronize). Nothing is
+        made durable (flush() does that); small tensors still packed in a staging buffer stay there."""
+        self._check_open()
+        self._nvme.wait_writes()
+
     def flush(self) -> None:
         """Make every tensor put so far durable (see [Note: crash safety]). On an I/O error it raises a
         TierstoreIOError saying which new values were lost and which a later flush() stores, and what to do

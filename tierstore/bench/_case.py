@@ -85,6 +85,12 @@ def main(argv: list[str]) -> int:
     def step_and_zero() -> None:
         zopt.step()
         zopt.zero_grad()
+        # [Note: a timed step ends when its I/O does]
+        # The parent leaves each worker idle while it times the other cases; reads the step started ahead of
+        # the next forward, and its writes still in flight, would finish there unseen -- free I/O no training
+        # loop gets. So the timed step waits for them (at worst this hides their overlap with the next
+        # forward's start), and their bytes are counted in the step that moved them.
+        zopt.synchronize()
 
     def zero_step() -> dict:
         x, y = batch()

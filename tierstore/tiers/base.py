@@ -183,6 +183,9 @@ class PersistentTier(Tier, Protocol):
         unchanged until `lend()` is called, which happens exactly once (also when this raises), as soon as
         the tier no longer needs the memory -- so the tier may write from it instead of copying it first."""
 
+    def wait_writes(self) -> None:
+        """Wait for the writes submitted so far (not durable: sync() is)."""
+
     def read(self, e: Any, out: torch.Tensor, what: str) -> None:
         """Read extent `e` into `out` (contiguous uint8 CPU, e.length elements), its checksum checked."""
 

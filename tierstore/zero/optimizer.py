@@ -889,6 +889,13 @@ class Zero3Optimizer(torch.optim.Optimizer):
         from .checkpoint import load_checkpoint
         return load_checkpoint(self, directory, **kwargs)
 
+    def synchronize(self) -> None:
+        """Wait for the I/O the last step left running: the next forward's parameter reads started after it
+        ([Note: prefetch after the step]) and its writes in flight. For timing a step as a whole (as
+        torch.cuda.synchronize before reading a clock); training does not need it. Nothing is made durable."""
+        self.coordinator.prefetcher.settle()
+        self.store.synchronize()
+
     # -- lifetime ------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Remove the hooks and close the store (its files stay unless they were in a temporary directory)."""

@@ -281,6 +281,11 @@ class Prefetcher:
         self._prefetched.clear()
         self._ahead_bytes = 0
 
+    def settle(self) -> None:
+        """Wait for the reads in flight (they stay read ahead; a failed one raises when its shard is used)."""
+        for fut in list(self._prefetched.values()):
+            fut.exception()
+
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)

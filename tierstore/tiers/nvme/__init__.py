@@ -159,6 +159,11 @@ class NvmeTier:
         return self._reader.read_ranges(e, ranges, out, what)
 
     # -- durability -------------------------------------------------------------------------------
+    def wait_writes(self) -> None:
+        """Wait for every write submitted so far to reach its file (what is staged stays staged; nothing is
+        fsynced). Errors of individual writes stay on their extents' futures."""
+        self._writer.wait_all()
+
     def sync(self) -> None:
         """Write what is staged, wait for every write, fsync the files written to (and the directories when
         files were created). Errors of individual writes stay on their extents' futures; an fsync error
