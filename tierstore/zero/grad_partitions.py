@@ -160,14 +160,12 @@ class GradPartitions:
         goes back to the buffers once the disk has it: it is lent to the write ([Note: lent tensors] in
         tiers/nvme/writes.py), or copied to the stored dtype first."""
         src = part
-        try:
-            if self.dtype != torch.float32:
+        if self.dtype != torch.float32:
+            try:
                 src = self.buffers.take(part.numel(), self.dtype)
                 src.copy_(part)
+            finally:
                 self.buffers.give(part)
-        except BaseException:
-            self.buffers.give(part)
-            raise
         self.store.put(name, src, tier=self.tier, lend=lambda: self.buffers.give(src))
         self.disk.count(name, write=True)
 
