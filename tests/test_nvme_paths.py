@@ -83,19 +83,25 @@ def test_smaller_or_unaligned_tensors_are_copied(tmp_path, monkeypatch):
         assert torch.equal(s.get("small"), small) and torch.equal(s.get("plain"), plain)
 
 
-def test_in_place_write_failure_is_reported_by_flush(tmp_path):
+@pytest.mark.parametrize("nbytes,lent", [(6 * MiB, False), (3 * MiB, True)], ids=["in-place", "lent"])
+def test_direct_write_failure_is_reported_by_flush(tmp_path, nbytes, lent):
+    """A write from the tensor's own memory that fails (in place, as large as the pool; or lent, larger than a
+    buffer: [Note: lent tensors]) is reported by flush(), the lent memory given back; the last flushed value
+    stands."""
     d = str(tmp_path / "s")
     s = Store(d, **opts())
-    s.put("x", aligned_values(6 * MiB, 3), "nvme")
+    s.put("x", aligned_values(nbytes, 3), "nvme")
     s.flush()
     s._engine.inject_fault(2, "eio")
-    s.put("x", aligned_values(6 * MiB, 4), "nvme")
+    lend = Lend() if lent else None
+    s.put("x", aligned_values(nbytes, 4), "nvme", lend=lend)
     with pytest.raises(TierstoreIOError) as ei:
         s.flush()
+    assert lend is None or lend.calls == 1
     assert ei.value.errno == errno.EIO and "'x'" in str(ei.value)
     s.close(flush=False)
-    with Store.open(d, **opts()) as s2:  # the last flushed value stands
-        assert torch.equal(s2.get("x"), aligned_values(6 * MiB, 3))
+    with Store.open(d, **opts()) as s2:
+        assert torch.equal(s2.get("x"), aligned_values(nbytes, 3))
 
 
 @pytest.mark.parametrize("populate_works", [True, False])
@@ -220,20 +226,3 @@ def test_lend_is_called_when_put_refuses(tmp_path):
             assert lend.calls == 1
         with pytest.raises(TierstoreValueError, match="lend"):
             s.put("x", x, "nvme", lend=3)
-
-
-def test_lent_write_failure_gives_the_memory_back_and_is_reported_by_flush(tmp_path):
-    d = str(tmp_path / "s")
-    s = Store(d, **opts())
-    s.put("x", aligned_values(3 * MiB, 11), "nvme")
-    s.flush()
-    s._engine.inject_fault(2, "eio")
-    lend = Lend()
-    s.put("x", aligned_values(3 * MiB, 12), "nvme", lend=lend)
-    with pytest.raises(TierstoreIOError) as ei:
-        s.flush()
-    assert lend.calls == 1
-    assert ei.value.errno == errno.EIO and "'x'" in str(ei.value)
-    s.close(flush=False)
-    with Store.open(d, **opts()) as s2:  # the last flushed value stands
-        assert torch.equal(s2.get("x"), aligned_values(3 * MiB, 11))
