@@ -162,10 +162,11 @@ def spy_write_futures(s: Store, monkeypatch) -> list:
     return ios
 
 
-@pytest.mark.parametrize("nbytes", [2 * MiB, 2 * MiB + 1000 * 4], ids=["whole-blocks", "partial-tail"])
+@pytest.mark.parametrize("nbytes", [MiB // 2 + 4096, MiB, 2 * MiB + 1000 * 4],
+                         ids=["over-half-a-buffer", "a-buffer", "partial-tail"])
 def test_lent_put_writes_from_the_tensor_and_gives_it_back_when_written(tmp_path, monkeypatch, nbytes):
     d = str(tmp_path / "s")
-    x = aligned_values(nbytes, 5)  # larger than a buffer (1 MiB), smaller than the pool (4 MiB)
+    x = aligned_values(nbytes, 5)  # larger than half a buffer (1 MiB), smaller than the pool (4 MiB)
     keep = x.clone()
     with Store(d, **opts()) as s:
         seen = spy_writes(s, monkeypatch)
@@ -189,7 +190,7 @@ def test_lend_of_a_copied_value_is_called_before_put_returns(tmp_path, monkeypat
     import numcodecs
     with Store(str(tmp_path / "s"), **{**opts(), "host_budget": 64 * MiB}) as s:
         seen = spy_writes(s, monkeypatch)
-        if case == "small":
+        if case == "small":  # half a buffer: packed with others
             x, kw = aligned_values(MiB // 2, 7), {"tier": "nvme"}
         elif case == "unaligned":
             x = aligned_values(3 * MiB + 64, 7)[16:]  # 64 bytes past a 4 KiB boundary

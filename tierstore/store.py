@@ -226,7 +226,7 @@ class Store:
 
         lend: a callable to lend `value` instead of having it copied -- you promise to leave it unchanged
         until the store calls `lend()`, which it does exactly once (also when put raises), as soon as it no
-        longer needs the memory. Written to nvme, a 4 KiB-aligned CPU tensor larger than a pool buffer
+        longer needs the memory. Written to nvme, a 4 KiB-aligned CPU tensor larger than half a pool buffer
         (aligned_empty, a BufferPool buffer) then goes to disk from its own memory after put returns, with
         no copy; anything else is copied as usual and `lend()` is called before put returns. For a writer
         that recycles its buffers anyway (see [Note: lent tensors] in tiers/nvme/writes.py)."""

@@ -18,9 +18,10 @@ once the writes are done -- the tensor may change after it returns, as with a co
 [Note: lent tensors]
 A caller that can leave the tensor unchanged until the disk has it -- the step pipeline writing the buffers
 it steps in, which it recycles anyway -- lends it (`write(..., lend=callback)`): an aligned tensor larger
-than a pool buffer is then written in place the same way but the call returns at once, and `callback()`
-runs (on the engine's completion thread, or at once where the tensor was copied after all) when the memory
-is the caller's again, whether the write succeeded or not. Its error, as a streamed write's, is reported by
+than half a pool buffer (the size from which reads too go alone, not packed) is then written in place the
+same way but the call returns at once, and `callback()` runs (on the engine's completion thread, or at
+once where the tensor was copied after all) when the memory is the caller's again, whether the write
+succeeded or not. Its error, as a streamed write's, is reported by
 the read or the flush. The step's writes then cost the crc32c alone, not a memmove of every byte first.
 """
 from __future__ import annotations
@@ -182,7 +183,7 @@ class ExtentWriter:
             with profile_range("tierstore::nvme_write"):
                 if n == 0:
                     return Extent(0, 0, 0, 0, 0)
-                if lend is not None and aligned and alen > self.pool.buffer_bytes:
+                if lend is not None and aligned and alen > self.pool.buffer_bytes // 2:
                     e = self._write_direct(src, n, alen, what, lend)
                     lend = None  # _write_direct calls it once the disk has the bytes
                     return e
