@@ -4,6 +4,7 @@ issue 12 keep working. The measurements themselves are `tierstore bench ...` run
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -147,3 +148,18 @@ def test_tier_bytes_takes_the_optimizers_count_by_kind_where_there_is_one():
         disk_read={"master": 10, "states": 20}, disk_written={"master": 11, "states": 22}))
     b = tier_bytes(counted)
     assert b["disk_read_master"] == 10 and b["disk_written_states"] == 22 and b["nvme_read"] == 30
+
+
+def test_step_profile_reports_phases_disk_and_threads(tmp_path, capsys):
+    """python -m tierstore.bench.step_profile: the phases of a step, the disk's busy share in each, and the
+    CPU seconds per thread (the tiny model's I/O threads may not reach a clock tick)."""
+    from tierstore.bench import step_profile
+    assert step_profile.main(["--case", "nvme-overlap", "--model", "linear", "--params", "3e5", "--width", "128",
+                              "--batch", "4", "--steps", "2", "--sub-group", "256K", "--pinned", "4M",
+                              "--threads", "1", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "seconds     forward" in out and "disk busy" in out
+    assert any(line.startswith("  CPU s/step") for line in out.splitlines())  # threads with a clock tick
+    assert os.listdir(tmp_path) == []  # its store is removed
+    with pytest.raises(SystemExit):
+        step_profile.main(["--case", "nvme9", "--dir", str(tmp_path)])

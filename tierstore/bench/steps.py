@@ -174,8 +174,9 @@ class RawEngine:
         return engine_pass(self.eng, self.wfile, "w", self._pieces(self.nwrite))
 
     def both(self, nread: int | None = None, nwrite: int | None = None) -> float:
-        """Read and write at once: the step's bytes, or `nread` / `nwrite` bytes (at most those)."""
-        nr = self.nread if nread is None else min(self.nread, -(-max(nread, 1) // self.REQ))  # requests
+        """Read and write at once: the step's bytes, or `nread` / `nwrite` bytes (the read file holds the most
+        any case moves)."""
+        nr = self.nread if nread is None else -(-max(nread, 1) // self.REQ)  # requests
         nw = self.nwrite if nwrite is None else -(-max(nwrite, 1) // self.REQ)
         drop_page_cache([self.rfile])
         fr, fw = self.eng.open(self.rfile, "r"), self.eng.open(self.wfile, "w")
