@@ -13,7 +13,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import threading
+import weakref
+from collections import OrderedDict, deque
 
+import numpy
 import torch
 
 from ..io.pool import advise_huge_pages
@@ -49,16 +53,102 @@ def aligned_empty(nbytes: int, *, lock: bool = True, huge: bool = True) -> torch
 
 
 def result_empty(nbytes: int) -> torch.Tensor:
-    """Memory for a tensor handed to the caller (get()): torch's allocator, whose recycled heap spares the
-    page faults a fresh mapping costs, except for large tensors, which get a 4 KiB-aligned mapping so the
-    nvme tier reads them with O_DIRECT straight into place, faulted in ahead of the reads and on small pages
-    (see [Note: fresh memory] in tiers/nvme/reads.py)."""
+    """Memory for a tensor handed to the caller (get()): from RESULTS, the recycled aligned mappings, when
+    large (see [Note: result memory]); else torch's allocator."""
     if nbytes >= RESULT_ALIGNED_MIN:
-        return aligned_empty(nbytes, lock=False, huge=False)
+        return RESULTS.empty(nbytes)
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-RESULT_ALIGNED_MIN = 8 << 20  # bytes
+RESULT_ALIGNED_MIN = 1 << 20  # bytes
+
+
+class ResultPool:
+    """Recycled 4 KiB-aligned memory for large results (RESULTS is the process's).
+
+    [Note: result memory]
+    get() hands the caller a new tensor, and a large one is read into with O_DIRECT, so it must start at a
+    4 KiB-aligned address; torch's allocator gives no such address. A fresh mapping per result is aligned,
+    but every one of its pages is faulted in anew (see [Note: fresh memory] in tiers/nvme/reads.py) and
+    unmapped again when the caller drops it -- per step, for every parameter shard a ZeRO-3 forward reads.
+    So the mappings are recycled: each result is a new numpy array over a pooled mapping (torch.from_numpy
+    keeps the array alive as long as any tensor uses its storage: views, autograd's saved tensors), and a
+    weakref finalizer on that array gives the mapping back when the storage dies -- nothing is polled, and
+    memory a caller still refers to is never handed out again. A mapping given back is reused, already
+    faulted in, by the next request of the same size; at most `idle_limit` bytes are kept idle, the oldest
+    unmapped first. Results are not advised for huge pages (their compaction made populating slower and
+    far more variable here, docs/io.md) and not page-locked.
+
+    Finalizers run in whichever thread drops the last reference, even inside this class's own code (a
+    garbage collection): they only append to a deque, and drain it themselves when the lock is free.
+    """
+
+    def __init__(self, idle_limit: int):
+        self.idle_limit = idle_limit  # bytes
+        self._lock = threading.Lock()
+        self._back: deque[mmap.mmap] = deque()  # given back, not yet sorted (appended by finalizers)
+        self._idle: OrderedDict[int, mmap.mmap] = OrderedDict()  # id -> mapping, oldest first
+        self._by_size: dict[int, list[int]] = {}  # bytes -> ids of idle mappings of that size
+        self.idle_bytes = 0
+        self.reused = 0  # results served from a recycled mapping
+        self.mapped = 0  # results that needed a new mapping
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """A uint8 CPU tensor of `nbytes` at a 4 KiB-aligned address, its memory recycled when possible."""
+        size = -(-nbytes // ALIGN) * ALIGN
+        mm = None
+        with self._lock:
+            self._sort_back()
+            ids = self._by_size.get(size)
+            if ids:
+                mm = self._idle.pop(ids.pop())
+                self.idle_bytes -= size
+                self.reused += 1
+            else:
+                self.mapped += 1
+        if mm is None:
+            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        arr = numpy.frombuffer(mm, dtype=numpy.uint8, count=nbytes)
+        weakref.finalize(arr, _give_back, weakref.ref(self), mm).atexit = False
+        return torch.from_numpy(arr)
+
+    def trim(self, keep: int = 0) -> None:
+        """Unmap idle mappings, the oldest first, until at most `keep` bytes stay idle."""
+        with self._lock:
+            self._sort_back()
+            self._trim(keep)
+
+    def _given_back(self, mm: mmap.mmap) -> None:
+        self._back.append(mm)
+        if self._lock.acquire(blocking=False):  # else whoever holds it sorts it
+            try:
+                self._sort_back()
+            finally:
+                self._lock.release()
+
+    def _sort_back(self) -> None:
+        """Under the lock: file the given-back mappings as idle, then keep within idle_limit."""
+        while self._back:
+            mm = self._back.popleft()
+            self._idle[id(mm)] = mm
+            self._by_size.setdefault(len(mm), []).append(id(mm))
+            self.idle_bytes += len(mm)
+        self._trim(self.idle_limit)
+
+    def _trim(self, keep: int) -> None:
+        while self.idle_bytes > keep:
+            key, mm = self._idle.popitem(last=False)
+            self._by_size[len(mm)].remove(key)
+            self.idle_bytes -= len(mm)  # unmapped when `mm` goes
+
+
+def _give_back(pool_ref: weakref.ref, mm: mmap.mmap) -> None:
+    pool = pool_ref()
+    if pool is not None:
+        pool._given_back(mm)
+
+
+RESULTS = ResultPool(idle_limit=256 << 20)  # the process's result memory ([Note: result memory])
 
 
 class HostTier:

@@ -20,8 +20,9 @@ takes a page fault per page inside the submission, on the reading thread, one af
 not the disk -- bounded get() to a fraction of get(out=). So a thread faults the direct chunks in ahead of
 the reads (MADV_POPULATE_WRITE, one call per chunk) while the reads of the chunks before are in flight, and
 the reader submits a chunk once it is populated. On memory already populated (out=) the call only walks the
-page tables. Result memory is not advised for huge pages (tiers/host.py result_empty): measured here, a
-fresh huge page's compaction made populating slower and far more variable than small pages (docs/io.md).
+page tables -- as on a result's memory recycled ([Note: result memory] in tiers/host.py). Result memory is not
+advised for huge pages: measured here, a fresh huge page's compaction made populating slower and far more
+variable than small pages (docs/io.md).
 """
 from __future__ import annotations
 
