@@ -210,6 +210,9 @@ def test_from_deepspeed_maps_keys_and_warns_on_the_rest():
     assert "stage3_max_live_parameters" in msg and "aio.queue_depth" in msg
     assert (c.params, c.optimizer_states, c.nvme_paths) == ("host", "nvme", ["/nvme0"])
     assert c.compute_dtype == torch.bfloat16 and c.quantized_weights and c.sub_group_bytes == 4_000_000
+    assert (c.prefetch_depth, c.prefetch_bytes) == (2, 200_000_000)  # 5e7 elements read ahead, as fp32 bytes
+    off = OffloadConfig.from_deepspeed({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}})
+    assert (off.prefetch_depth, off.prefetch_bytes) == (0, 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         c2 = OffloadConfig.from_deepspeed({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True,
@@ -263,6 +266,44 @@ def test_step_pipeline_overlaps_and_bounds_in_flight():
     with pytest.raises(OSError, match="disk on fire"):
         pl.run(range(8), load, compute, bad_save)
     pl.close()
+
+
+def test_step_pipeline_reads_small_sub_groups_further_ahead_within_the_bytes_of_full_ones():
+    """[Note: step pipeline]: with sizes, the reader loads sub-groups ahead while they come to at most ahead x
+    unit_bytes -- at depth 3 (ahead: 1 x 4 bytes), three quarter-size ones are read ahead of the one stepped,
+    where a count of sub-groups allows one -- and never more: full-size ones are read one ahead as before."""
+    import threading
+
+    from tierstore.zero.pipeline import StepPipeline
+
+    started, gate, at_first = [], threading.Event(), []
+
+    def load(i):
+        started.append(i)
+        return i
+
+    def compute(i, x):
+        if i == 0:
+            gate.wait(5)  # the reader runs on meanwhile
+            at_first.append(len(started))
+        return x
+
+    pl = StepPipeline(3, unit_bytes=4)
+    try:
+        threading.Timer(0.2, gate.set).start()
+        pl.run(range(10), load, compute, lambda i, r: None, sizes=[1] * 10)
+        assert at_first == [4]  # 0 stepped, 1-3 read ahead: 3 x 1 byte <= 1 x 4 (without sizes: 0 and 1)
+        assert pl.peak_in_flight >= 5  # 4 loaded ahead (4 x 1 byte <= 1 x 4) + the one stepped
+        seen: list[int] = []
+        gate.clear()
+
+        def compute_full(i, x):
+            seen.append(len(started) - 10)  # sub-groups loaded when i is stepped
+            return x
+        pl.run(range(6), load, compute_full, lambda i, r: None, sizes=[4] * 6)
+        assert max(b - i for i, b in enumerate(seen)) <= 2  # i and at most 1 ahead (plus one being read)
+    finally:
+        pl.close()
 
 
 def train_loss(tmp_path, steps=25, **cfg_kw):

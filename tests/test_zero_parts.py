@@ -212,3 +212,54 @@ def test_eight_bit_states_pack_and_unpack(tmp_path):
         plain = EightBitStates(store, "nvme", None, BufferPool(torch.device("cpu"), 2))
         plain.put(4, "exp_avg", v)
         assert not plain.is_packed(4, "exp_avg") and torch.equal(store.get(keys.state(4, "exp_avg")), v)
+
+
+def test_step_stream_queues_by_bytes_loads_by_depth_and_keeps_order():
+    """StepStream ([Note: the stream's queue is in bytes] in pipeline.py): submit() returns at once while the
+    sub-groups not yet saved fit queue_bytes (one is always admitted), at most `depth` are loaded and not saved,
+    they are stepped and saved in the order submitted, and an error is raised by wait() once all have finished."""
+    import threading
+    import time
+
+    from tierstore.zero.pipeline import StepStream
+
+    gate = threading.Event()
+    lock = threading.Lock()
+    loaded_now, most_loaded, saved = [0], [0], []
+
+    def load(item):
+        gate.wait(10)
+        with lock:
+            loaded_now[0] += 1
+            most_loaded[0] = max(most_loaded[0], loaded_now[0])
+        if item == "bad":
+            raise OSError("disk gone")
+        return item
+
+    def save(item, t):
+        with lock:
+            loaded_now[0] -= 1
+        saved.append(item)
+
+    stream = StepStream(2, load, lambda item, t: t, save, queue_bytes=10)
+    try:
+        for i in range(5):
+            stream.submit(i, 2)  # 10 bytes: all fit, none loaded yet (the gate is shut)
+        t0 = time.perf_counter()
+        threading.Timer(0.3, gate.set).start()
+        stream.submit(5, 2)  # 12 > 10: waits until one is saved
+        assert time.perf_counter() - t0 >= 0.25
+        assert stream.wait() == list(range(6)) and saved == list(range(6))
+        assert most_loaded[0] <= 2
+        stream.submit("big", 50)  # larger than the whole queue, alone: admitted
+        stream.submit("bad", 1)
+        stream.submit(7, 1)
+        with pytest.raises(OSError, match="disk gone"):
+            stream.wait()
+        assert saved[-2:] == ["big", 7]  # the error did not stop the others, nor leak a slot
+        for i in range(4):
+            stream.submit(i, 5)
+        assert stream.wait() == list(range(4))
+    finally:
+        gate.set()
+        stream.close()

@@ -64,7 +64,9 @@ class OffloadConfig:
     sub_group_bytes: bytes of one bucket (a sub-group of the step pipeline), all ranks together.
     min_io_bytes: small parameters are packed until each rank's shard of a bucket reaches this (bytes).
     pinned_bytes: page-locked staging budget the nvme tier streams through (bytes).
-    pipeline_depth: sub-groups in flight in the step (read i+1, step i, write i-1 is 3).
+    pipeline_depth: sub-groups in flight in the step (read i+1, step i, write i-1 is 3); with overlap_step,
+        backward also queues sub-groups for it up to pipeline_depth x sub_group_bytes ([Note: the stream's
+        queue is in bytes] in pipeline.py).
     initial_loss_scale, loss_scale_window, min_loss_scale: fp16 dynamic loss scaling.
     overlap_step: step each sub-group during backward, as soon as its gradient is final, on the step
         pipeline's threads (at world size N once every rank's reduce-scatter of it is final; the backward of
@@ -251,23 +253,26 @@ _int = _conv("an integer", _to_int)
 _float = _conv("a number", _to_float)
 _flag = _conv("true or false", _to_flag)
 
-# zero_optimization.<key> -> OffloadConfig field: (key, field, convert, what "auto" means). One row a key.
-ZERO_KEYS: list[tuple[str, str, Any, Any]] = [
+# zero_optimization.<key> -> OffloadConfig field: (key, field, convert, what "auto" means). One row a key; a row
+# whose field is a tuple of fields converts to a tuple of their values.
+ZERO_KEYS: list[tuple[str, str | tuple[str, ...], Any, Any]] = [
     ("sub_group_size", "sub_group_bytes", _conv("an integer", lambda v: _int(v) * 4), AUTO_DEFAULT),  # fp32 el.
-    ("stage3_prefetch_bucket_size", "prefetch_depth", _conv("a number", lambda v: 2 if _float(v) else 0),
-     AUTO_DEFAULT),  # a bucket size -> prefetch on / off
+    # elements read ahead -> as many fp32 bytes read ahead beyond the next modules ([Note: reading ahead by bytes]
+    # in prefetch.py); 0 turns prefetching off
+    ("stage3_prefetch_bucket_size", ("prefetch_depth", "prefetch_bytes"),
+     _conv("a number", lambda v: (2, int(_float(v)) * 4) if _float(v) else (0, 0)), AUTO_DEFAULT),
     ("zero_quantized_weights", "quantized_weights", _flag, None),
     ("zero_quantized_gradients", "quantized_gradients", _flag, None),
     ("zero_hpz_partition_size", "hpz_partition_size", _int, None),  # hpZ ([Note: hpZ] in hpz.py)
 ]
 # fp16.<key> -> OffloadConfig field (read when fp16 is enabled)
-FP16_KEYS: list[tuple[str, str, Any, Any]] = [
+FP16_KEYS: list[tuple[str, str | tuple[str, ...], Any, Any]] = [
     ("initial_scale_power", "initial_loss_scale", _conv("an integer", lambda v: 2.0 ** _int(v)), None),
     ("loss_scale_window", "loss_scale_window", _int, None),
     ("min_loss_scale", "min_loss_scale", _float, None),
 ]
 # top-level key -> OffloadConfig field
-TOP_KEYS: list[tuple[str, str, Any, Any]] = [
+TOP_KEYS: list[tuple[str, str | tuple[str, ...], Any, Any]] = [
     ("gradient_clipping", "gradient_clipping", _float, "gradient_clipping"),
 ]
 # top-level keys tierstore.zero.from_deepspeed reads (ds_config.py); OffloadConfig.from_deepspeed names them
@@ -330,11 +335,15 @@ def convert(path: str, value, conv, auto, resolved: Mapping[str, Any], hint: str
 
 
 def _rows(sec: dict, prefix: str, rows, kw: dict, resolved: Mapping[str, Any]) -> None:
-    """Pop each row's key from `sec` into kw[field]."""
+    """Pop each row's key from `sec` into kw[field] (or each of its fields)."""
     for key, fld, conv, auto in rows:
         if key in sec:
             v = convert(prefix + key, sec.pop(key), conv, auto, resolved)
-            if v is not AUTO_DEFAULT:
+            if v is AUTO_DEFAULT:
+                continue
+            if isinstance(fld, tuple):
+                kw.update(zip(fld, v))
+            else:
                 kw[fld] = v
 
 

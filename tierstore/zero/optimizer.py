@@ -290,7 +290,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if config.overlap_step:
             st = self._stepper
             self._stream = StepStream(config.pipeline_depth, lambda it: st.load(it[0], self._grads.take(it[0])),
-                                      lambda it, t: st.step_loaded([t], it[1])[0], lambda it, t: st.save(t))
+                                      lambda it, t: st.step_loaded([t], it[1])[0], lambda it, t: st.save(t),
+                                      queue_bytes=config.pipeline_depth * config.sub_group_bytes)
             self.coordinator.on_final = self._step_final
         self.activations = None  # tierstore.ActivationOffload when config.activation_offload is set
         if config.activation_offload is not None:
@@ -638,13 +639,17 @@ class Zero3Optimizer(torch.optim.Optimizer):
         # view saved by autograd would be one more
         if torch._C._storage_Use_Count(full.untyped_storage()._cdata) > 2 + (full._base is not None):
             return
-        self._stepper.offer(gid, full, self.config.reuse_budget)
+        budget = self.config.reuse_budget
+        if self._stream is not None:  # also kept while their sub-groups wait in the stream's queue
+            budget += self._stream.queue_bytes  # ([Note: the stream's queue is in bytes] in pipeline.py)
+        self._stepper.offer(gid, full, budget)
 
     def _step_final(self, gid: int) -> None:
         """The coordinator's on_final: step sub-group `gid` now, on the stream."""
         self._grads.stepped.add(gid)
         self._overlapped += 1
-        self._stream.submit((gid, self._step_coef()))  # type: ignore[union-attr]  # set with on_final
+        nbytes = 4 * self.layout.shard_numel(gid)  # its fp32 master here ([Note: the stream's queue is in bytes])
+        self._stream.submit((gid, self._step_coef()), nbytes)  # type: ignore[union-attr]  # set with on_final
 
     def _step_coef(self) -> float:
         """What this step multiplies the gradients by (clipping, loss scale)."""

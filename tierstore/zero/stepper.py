@@ -16,7 +16,9 @@ a bucket read from nvme and nothing else refers to its memory (no view saved by 
 use count says so), the optimizer offers it here (``offer``): the last ones offered are kept, at most
 ``reuse_bytes`` (OffloadConfig) of them, and the step's ``load`` takes one instead of reading the master
 again -- the same bytes, so the step is unchanged; the overlapped step ([Note: overlapped step]) takes its
-sub-group's right after backward released it. Anything that writes a master drops them first
+sub-group's when the stream loads it, so there the budget also covers the stream's queue ([Note: the stream's
+queue is in bytes] in pipeline.py: a master dropped while its sub-group waited was read again, +0.63 GiB per
+step at 256M). Anything that writes a master drops them first
 (``drop_at_hand``: zero_grad, the end of step, gathered(), loading a state).
 """
 from __future__ import annotations
@@ -151,7 +153,7 @@ class SubgroupStepper:
         self.state_keys: dict[int, list[str]] = {}  # gid -> tensor states in the store (absent: never stepped)
         self.aux: dict[int, dict] = {}  # gid -> non-tensor states (kept here, not in the store)
         self.fused_steps = 0  # sub-group steps done by the fused 8-bit kernel (OptimizerStats)
-        self._pipeline = StepPipeline(config.pipeline_depth)
+        self._pipeline = StepPipeline(config.pipeline_depth, config.sub_group_bytes)  # [Note: step pipeline]
         self._at_hand: dict[int, torch.Tensor] = {}  # gid -> its master's values ([Note: masters at hand])
         self._hand_lock = threading.Lock()  # offered on the main thread, taken on the pipeline's reader
         self.masters_at_hand = 0  # masters a step took from backward instead of reading them (tests)
@@ -202,9 +204,9 @@ class SubgroupStepper:
                 and all(gid in self.state_keys for gid in gids)):
             self._step_in_place(gids, coef)  # [Note: one inner step for memory tiers]
         else:
-            (self._pipeline if on_disk else self._inline).run(gids, self.load,
-                                                              lambda gid, t: self.step_loaded([t], coef)[0],
-                                                              lambda gid, t: self.save(t))
+            (self._pipeline if on_disk else self._inline).run(
+                gids, self.load, lambda gid, t: self.step_loaded([t], coef)[0], lambda gid, t: self.save(t),
+                sizes=[4 * self.placeholder[gid].numel() for gid in gids])  # fp32 master bytes
 
     def _step_in_place(self, gids: list[int], coef: float) -> None:
         loaded: list[LoadedSubgroup] = []
