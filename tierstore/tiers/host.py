@@ -120,7 +120,7 @@ class ResultPool:
 
     def _given_back(self, mm: mmap.mmap) -> None:
         self._back.append(mm)
-        if self._lock.acquire(blocking=False):  # else whoever holds it sorts it
+        if self._lock.acquire(blocking=False):  # else the next empty() or trim() sorts it
             try:
                 self._sort_back()
             finally:
