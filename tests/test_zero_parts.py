@@ -272,9 +272,8 @@ def test_step_stream_two_readers_load_in_turn_without_deadlock():
     one loaded and not saved."""
     import threading
 
-    from tierstore.zero.pipeline import READERS, StepStream
+    from tierstore.zero.pipeline import StepStream
 
-    assert READERS == 2
     lock = threading.Lock()
     loaded_now, most, saved = [0], [0], []
 
@@ -289,7 +288,7 @@ def test_step_stream_two_readers_load_in_turn_without_deadlock():
             loaded_now[0] -= 1
         saved.append(item)
 
-    stream = StepStream(1, load, lambda item, t: t, save, queue_bytes=1 << 30)
+    stream = StepStream(1, load, lambda item, t: t, save, queue_bytes=1 << 30, readers=2)
     done = threading.Event()
 
     def run():
@@ -304,3 +303,32 @@ def test_step_stream_two_readers_load_in_turn_without_deadlock():
         assert saved == list(range(300)) and most[0] == 1
     finally:
         stream.close()
+
+
+def test_buffers_lent_to_writes_are_bounded_until_given_back():
+    """[Note: lent buffers are bounded]: lent() waits while the buffers out on loan exceed lend_bytes (one loan
+    always goes out), give() of a lent buffer makes room, and a loan counted without waiting is still counted."""
+    import threading
+    import time
+
+    from tierstore.zero.stepper import BufferPool
+
+    pool = BufferPool(torch.device("cpu"), 4, lend_bytes=8 << 20)
+    a, b, c = (pool.take(1 << 20, torch.float32) for _ in range(3))  # 4 MiB each
+    pool.lent([a])
+    pool.lent([b])  # 8 MiB: at the bound, not over it
+    assert pool.lent_bytes == 8 << 20
+    threading.Timer(0.3, pool.give, args=(a,)).start()  # the disk has a's bytes
+    t0 = time.perf_counter()
+    pool.lent([c])
+    assert time.perf_counter() - t0 >= 0.25 and pool.lent_bytes == 8 << 20
+    pool.lent([a], wait=False)  # over the bound, counted all the same
+    assert pool.lent_bytes == 12 << 20
+    for t in (a, b, c):
+        pool.give(t)
+    assert pool.lent_bytes == 0
+    pool.give(pool.take(1 << 20, torch.float32))  # never lent: nothing to count
+    assert pool.lent_bytes == 0
+    solo = BufferPool(torch.device("cpu"), 4, lend_bytes=1 << 20)
+    solo.lent([pool.take(1 << 20, torch.float32)])  # larger than the bound, alone: goes out
+    assert solo.lent_bytes == 4 << 20

@@ -166,6 +166,7 @@ class GradPartitions:
                 src.copy_(part)
             finally:
                 self.buffers.give(part)
+        self.buffers.lent([src])  # waits while many are on loan ([Note: lent buffers are bounded] in stepper.py)
         self.store.put(name, src, tier=self.tier, lend=lambda: self.buffers.give(src))
         self.disk.count(name, write=True)
 

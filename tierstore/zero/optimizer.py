@@ -243,7 +243,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self._scaler = _LossScaler(cdt == torch.float16, config.initial_loss_scale, config.loss_scale_window,
                                    config.min_loss_scale)
         # -- the step's parts: buffers, 8-bit states, skipped parameters, the sub-group stepper ------------
-        buffers = BufferPool(self.device, 2 * config.pipeline_depth)
+        buffers = BufferPool(self.device, 2 * config.pipeline_depth,  # [Note: lent buffers are bounded] in stepper.py
+                             lend_bytes=2 * config.pipeline_depth * config.sub_group_bytes)
         self._disk = DiskBytes(self.store)  # [Note: disk bytes by kind]
         # threads of the (de)quantization kernels on the pipeline's helper threads: None = the kernel's own
         # default (all cores). One thread each, to leave the compute its cores, made 8-bit steps slower

@@ -11,9 +11,10 @@ pinned budget bounds the staging on top. Given the sub-groups' `sizes` and `unit
 one's fp32 master bytes, and sub_group_bytes), the reader also loads further ahead while those loaded ahead
 come to at most ``ahead`` x unit_bytes: sub-groups much smaller than sub_group_bytes (a bucket per 4 MiB
 layer) would otherwise leave the reader idle while each is stepped, and the disk with it -- the same bound
-in bytes as ``ahead`` full sub-groups. Two reader threads load: a sub-group's reads drain to nothing at its
-end, and with one reader the disk sat idle there -- a fifth of the step at 256M (4 MiB sub-groups), 6-9%
-with two. An error in any stage stops the pipeline, waits for the writes already submitted (so nothing is
+in bytes as ``ahead`` full sub-groups. One reader thread loads: a sub-group's reads drain to nothing at its
+end, and the disk sits idle there (a fifth of the step at 256M, 4 MiB sub-groups; 6-9% with two readers, but
+two raised the peak RSS of the dynamic8 step at 256M from 0.8 to 1.6 GB, not understood yet). An error in
+any stage stops the pipeline, waits for the writes already submitted (so nothing is
 half-written when the call returns) and is raised.
 """
 from __future__ import annotations
@@ -25,8 +26,6 @@ from typing import Any
 
 import torch
 
-READERS = 2  # threads loading sub-groups: the next one's reads queue while this one's drain ([Note: step pipeline])
-
 
 class StepPipeline:
     """Reusable reader/writer threads for `run`."""
@@ -36,7 +35,7 @@ class StepPipeline:
         self.unit_bytes = unit_bytes  # bytes of a full sub-group (sizes= of run)
         self.ahead = max(1, (depth - 1) // 2) if depth > 1 else 0
         self.behind = max(1, depth - 1 - self.ahead) if depth > 1 else 0
-        self._reader = ThreadPoolExecutor(READERS, thread_name_prefix="tierstore-step-read") if depth > 1 else None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstore-step-read") if depth > 1 else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstore-step-write") if depth > 1 else None
         self.peak_in_flight = 0  # the most sub-groups held at once in the last run (for tests)
 
@@ -100,12 +99,14 @@ class StepStream:
     left half-written).
 
     [Note: the stream's queue is in bytes]
-    Two bounds keep the memory held finite. At most `depth` sub-groups are loaded and not yet saved (two reader
-    threads load them, in turn: see _load). And ``submit`` waits while the sub-groups submitted and not yet
-    saved come to more than `queue_bytes` (their `nbytes`, whatever the caller counts: the optimizer counts
-    the bytes of each sub-group's fp32 master on this rank, against pipeline_depth x sub_group_bytes) --
-    back-pressure on the caller; one sub-group is always admitted. StepPipeline reads ahead in bytes too
-    ([Note: step pipeline]).
+    Two bounds keep the memory held finite. At most `depth` sub-groups are loaded and not yet saved (by `readers`
+    threads, in turn: see _load; one by default -- during backward the disk was busy 85-99% with one, and a
+    second, measured alternately at 256M, changed nothing within the disk's noise while its reads queue in front
+    of the parameter reads backward waits for). And ``submit`` waits while the sub-groups submitted and not yet
+    saved come to more than `queue_bytes` (their `nbytes`, whatever the caller counts: the optimizer counts the
+    bytes of each sub-group's fp32 master on this rank, against pipeline_depth x sub_group_bytes) -- back-pressure
+    on the caller; one sub-group is always admitted. StepPipeline reads ahead in bytes too ([Note: step
+    pipeline]).
     A bound in sub-groups alone would make the caller wait at every small one: with a bucket per layer, 4 MiB
     each, a depth of 3 held backward up whenever the disk was the slower, and left the disk idle wherever
     backward's compute was -- measured at 256M (linear layers of 1M parameters), the reader idle 0.7 s of a
@@ -113,7 +114,7 @@ class StepStream:
     runs ahead through the sub-groups the disk is behind on and the reader catches up while backward computes."""
 
     def __init__(self, depth: int, load: Callable[[Any], Any], compute: Callable[[Any, Any], Any],
-                 save: Callable[[Any, Any], None], *, queue_bytes: int = 0):
+                 save: Callable[[Any, Any], None], *, queue_bytes: int = 0, readers: int = 1):
         import threading
         self.load, self.compute, self.save = load, compute, save
         self.depth = max(1, depth)
@@ -123,7 +124,7 @@ class StepStream:
         self.queue_bytes = queue_bytes
         self._queued = 0  # bytes submitted and not yet saved
         self._room = threading.Condition()
-        self._reader = ThreadPoolExecutor(READERS, thread_name_prefix="tierstore-overlap-read")
+        self._reader = ThreadPoolExecutor(readers, thread_name_prefix="tierstore-overlap-read")
         self._stepper = ThreadPoolExecutor(1, thread_name_prefix="tierstore-overlap-step")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstore-overlap-write")
         self._futures: list[tuple[Any, Future]] = []

@@ -84,6 +84,8 @@ class EightBitStates:
         with torch.profiler.record_function("tierstore::quantize_state"):
             quantize(v, scheme, self.policy.block_size, out=Quantized.packed(buf, scheme, n, self.policy.block_size),
                      nthreads=self.nthreads)
+        # counted, not waited for: the step's save that calls this holds its own loans until it returns
+        self.buffers.lent([buf], wait=False)  # ([Note: lent buffers are bounded] in stepper.py)
         self.store.put(name, buf, tier=self.tier, lend=lambda: self.buffers.give(buf))
         self.packed[(gid, key)] = (scheme, n)
 

@@ -54,13 +54,39 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 class BufferPool:
     """Buffers for tensors read from nvme and for packing / unpacking 8-bit states, recycled between
-    sub-groups: at most `keep` free buffers of each (elements, dtype)."""
+    sub-groups: at most `keep` free buffers of each (elements, dtype).
 
-    def __init__(self, device: torch.device, keep: int):
+    [Note: lent buffers are bounded]
+    A buffer lent to a write ([Note: lent tensors] in tiers/nvme/writes.py) comes back only when the disk has
+    its bytes, and ``put`` returns at once: nothing else holds back whoever lends them. When the reads outpace
+    the writes -- two step readers at 256M, or an NVMe that reads faster than it writes -- the step's written
+    buffers piled up in memory without bound (peak RSS at 1B 1.9 GiB, 0.8 GiB before). So ``lent(tensors)``
+    counts the buffers about to be lent until given back and first waits while those out on loan come to
+    more than `lend_bytes` (one loan always goes out); the step's writer and backward's gradient writes wait
+    there for the disk.
+    """
+
+    def __init__(self, device: torch.device, keep: int, lend_bytes: int | None = None):
         self.device = device
         self.keep = keep
+        self.lend_bytes = lend_bytes  # None: no bound
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._lock = threading.Lock()  # the pipeline's reader and writer threads take and give
+        self._room = threading.Condition()
+        self._loans: dict[int, list[int]] = {}  # address -> bytes of each loan of it not yet given back
+        self.lent_bytes = 0
+
+    def lent(self, tensors: list[torch.Tensor], *, wait: bool = True) -> None:
+        """`tensors` are about to be lent to writes and given back (``give``) when those finish: count them,
+        waiting first while the buffers out on loan exceed lend_bytes (``wait``; see [Note: lent buffers
+        are bounded])."""
+        n = sum(t.numel() * t.element_size() for t in tensors)
+        with self._room:
+            while wait and self.lend_bytes is not None and self.lent_bytes and self.lent_bytes + n > self.lend_bytes:
+                self._room.wait()
+            self.lent_bytes += n
+            for t in tensors:
+                self._loans.setdefault(t.data_ptr(), []).append(t.numel() * t.element_size())
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:  # numel: elements
         with self._lock:
@@ -72,6 +98,13 @@ class BufferPool:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def give(self, t: torch.Tensor) -> None:
+        loans = self._loans.get(t.data_ptr())
+        if loans:
+            with self._room:
+                self.lent_bytes -= loans.pop()
+                if not loans:
+                    del self._loans[t.data_ptr()]
+                self._room.notify_all()
         if self.device.type == "cpu" and t.data_ptr() % ALIGN:  # not one of ours (a gradient partition, a
             return  # master read by backward): recycling it would put an unaligned buffer in the nvme reads' way
         with self._lock:
@@ -362,6 +395,7 @@ class SubgroupStepper:
         cfg = self.config
         gid, got, resident = t.gid, t.tensors, t.resident
         back = Returns(self.buffers, [v for role, v in got.items() if role not in resident])
+        self.buffers.lent(back.tensors)  # [Note: lent buffers are bounded]
         try:
             master = t.master_out
             assert master is not None  # step_loaded() fills it before save()
