@@ -58,9 +58,10 @@ class BufferPool:
 
     [Note: lent buffers are bounded]
     A buffer lent to a write ([Note: lent tensors] in tiers/nvme/writes.py) comes back only when the disk has
-    its bytes, and ``put`` returns at once: nothing else holds back whoever lends them. When the reads outpace
-    the writes -- two step readers at 256M, or an NVMe that reads faster than it writes -- the step's written
-    buffers piled up in memory without bound (peak RSS at 1B 1.9 GiB, 0.8 GiB before). So ``lent(tensors)``
+    its bytes, and ``put`` returns at once: nothing else holds back whoever lends them, so when the reads
+    outpace the writes (an NVMe that reads faster than it writes) the step's written buffers could pile up in
+    memory as far as the whole step's bytes -- a peak RSS of 1.9 GiB at 1B appeared with two step readers,
+    against 0.8 with one (bench/README.md, "Seventh session"). So ``lent(tensors)``
     counts the buffers about to be lent until given back and first waits while those out on loan come to
     more than `lend_bytes` (one loan always goes out); the step's writer and backward's gradient writes wait
     there for the disk.
@@ -98,9 +99,9 @@ class BufferPool:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def give(self, t: torch.Tensor) -> None:
-        loans = self._loans.get(t.data_ptr())
-        if loans:
-            with self._room:
+        with self._room:
+            loans = self._loans.get(t.data_ptr())
+            if loans:
                 self.lent_bytes -= loans.pop()
                 if not loans:
                     del self._loans[t.data_ptr()]
