@@ -265,46 +265,6 @@ def test_step_stream_queues_by_bytes_loads_by_depth_and_keeps_order():
         stream.close()
 
 
-def test_step_stream_two_readers_load_in_turn_without_deadlock():
-    """With two reader threads, item n loads only once item n - depth is saved -- by construction never a later
-    item ahead of the next one to step (a plain semaphore could hand a slot to it, and deadlock; that race is
-    too rare to provoke here). What is checked: 300 items at depth 1 finish, in order, with never more than
-    one loaded and not saved."""
-    import threading
-
-    from tierstore.zero.pipeline import StepStream
-
-    lock = threading.Lock()
-    loaded_now, most, saved = [0], [0], []
-
-    def load(item):
-        with lock:
-            loaded_now[0] += 1
-            most[0] = max(most[0], loaded_now[0])
-        return item
-
-    def save(item, t):
-        with lock:
-            loaded_now[0] -= 1
-        saved.append(item)
-
-    stream = StepStream(1, load, lambda item, t: t, save, queue_bytes=1 << 30, readers=2)
-    done = threading.Event()
-
-    def run():
-        for i in range(300):
-            stream.submit(i, 1)
-        stream.wait()
-        done.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    try:
-        assert done.wait(60), f"stuck after {len(saved)} of 300"
-        assert saved == list(range(300)) and most[0] == 1
-    finally:
-        stream.close()
-
-
 def test_buffers_lent_to_writes_are_bounded_until_given_back():
     """[Note: lent buffers are bounded]: lent() waits while the buffers out on loan exceed lend_bytes (one loan
     always goes out), give() of a lent buffer makes room, and a loan counted without waiting is still counted."""

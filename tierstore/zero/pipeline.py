@@ -99,14 +99,14 @@ class StepStream:
     left half-written).
 
     [Note: the stream's queue is in bytes]
-    Two bounds keep the memory held finite. At most `depth` sub-groups are loaded and not yet saved (by `readers`
-    threads, in turn: see _load; one by default -- during backward the disk was busy 85-99% with one, and a
-    second, measured alternately at 256M, changed nothing within the disk's noise while its reads queue in front
-    of the parameter reads backward waits for). And ``submit`` waits while the sub-groups submitted and not yet
-    saved come to more than `queue_bytes` (their `nbytes`, whatever the caller counts: the optimizer counts the
-    bytes of each sub-group's fp32 master on this rank, against pipeline_depth x sub_group_bytes) -- back-pressure
-    on the caller; one sub-group is always admitted. StepPipeline reads ahead in bytes too ([Note: step
-    pipeline]).
+    Two bounds keep the memory held finite. At most `depth` sub-groups are loaded and not yet saved (the one
+    reader takes a slot before it loads, so slots go in submission order; a second reader, measured alternately at
+    256M, changed nothing within the disk's noise -- busy 85-99% with one during backward -- while its reads queue
+    in front of the parameter reads backward waits for). And ``submit`` waits while the sub-groups submitted and
+    not yet saved come to more than `queue_bytes` (their `nbytes`, whatever the caller counts: the optimizer
+    counts the bytes of each sub-group's fp32 master on this rank, against pipeline_depth x sub_group_bytes) --
+    back-pressure on the caller; one sub-group is always admitted. StepPipeline reads ahead in bytes too ([Note:
+    step pipeline]).
     A bound in sub-groups alone would make the caller wait at every small one: with a bucket per layer, 4 MiB
     each, a depth of 3 held backward up whenever the disk was the slower, and left the disk idle wherever
     backward's compute was -- measured at 256M (linear layers of 1M parameters), the reader idle 0.7 s of a
@@ -114,17 +114,14 @@ class StepStream:
     runs ahead through the sub-groups the disk is behind on and the reader catches up while backward computes."""
 
     def __init__(self, depth: int, load: Callable[[Any], Any], compute: Callable[[Any, Any], Any],
-                 save: Callable[[Any, Any], None], *, queue_bytes: int = 0, readers: int = 1):
+                 save: Callable[[Any, Any], None], *, queue_bytes: int = 0):
         import threading
         self.load, self.compute, self.save = load, compute, save
-        self.depth = max(1, depth)
-        self._submitted = 0  # items submitted so far
-        self._saved = 0  # items saved (or failed) so far: in the order submitted, on the one writer thread
-        self._turn = threading.Condition()
+        self._slots = threading.Semaphore(max(1, depth))
         self.queue_bytes = queue_bytes
         self._queued = 0  # bytes submitted and not yet saved
         self._room = threading.Condition()
-        self._reader = ThreadPoolExecutor(readers, thread_name_prefix="tierstore-overlap-read")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstore-overlap-read")
         self._stepper = ThreadPoolExecutor(1, thread_name_prefix="tierstore-overlap-step")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstore-overlap-write")
         self._futures: list[tuple[Any, Future]] = []
@@ -134,9 +131,8 @@ class StepStream:
             while self._queued and self._queued + nbytes > self.queue_bytes:
                 self._room.wait()
             self._queued += nbytes
-        n, self._submitted = self._submitted, self._submitted + 1
         try:
-            loaded = self._reader.submit(self._load, item, n)
+            loaded = self._reader.submit(self._load, item)
             stepped = self._stepper.submit(self._compute, item, loaded)
             saved = self._writer.submit(self._save, item, stepped)
         except BaseException:
@@ -150,13 +146,8 @@ class StepStream:
             self._queued -= nbytes
             self._room.notify_all()
 
-    def _load(self, item: Any, n: int) -> Any:
-        # item n loads once fewer than `depth` items are loaded and not saved. It waits for items before it only
-        # (the n-depth-th to be saved): a slot taken in whichever order the reader threads run could go to a
-        # later item while the next one to step waits for it -- a deadlock.
-        with self._turn:
-            while n >= self._saved + self.depth:
-                self._turn.wait()
+    def _load(self, item: Any) -> Any:
+        self._slots.acquire()  # given back when this item's save has finished (or failed)
         return _profiled("tierstore::step_read", self.load, item)
 
     def _compute(self, item: Any, loaded: Future) -> Any:
@@ -170,9 +161,7 @@ class StepStream:
             with torch.profiler.record_function("tierstore::step_write"):
                 self.save(item, t)
         finally:
-            with self._turn:
-                self._saved += 1
-                self._turn.notify_all()
+            self._slots.release()  # taken by _load, which ran (or failed) before stepped finished
 
     @property
     def pending(self) -> int:
