@@ -485,6 +485,37 @@ def test_the_step_takes_the_masters_backward_read_instead_of_reading_them_again(
         assert all(r <= shard - weight for r in reads[None]), reads
 
 
+
+def test_the_steps_reads_ahead_are_bounded_by_the_sub_groups_bytes(tmp_path):
+    """[Note: step pipeline] in pipeline.py: the optimizer gives the step pipeline each sub-group's master
+    bytes on this rank, so a reader faster than the step loads at most about ahead x sub_group_bytes ahead.
+    (The sizes once came from the inner optimizer's placeholders, empty outside the step: every size was 0,
+    and a reader faster than the step loaded the whole step ahead -- 0.6 GiB more peak RSS at 256M.)"""
+    torch.manual_seed(0)
+    m = Deep(layers=16, width=64)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(
+        tmp_path, params="nvme", states="nvme", grads="nvme", sub_group_bytes=64 * 64 * 4 + 1024))
+    try:
+        x = torch.randn(4, 64)
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        st = opt._stepper
+        step_loaded = st.step_loaded
+
+        def slow(items, coef):  # the reader runs ahead meanwhile
+            time.sleep(0.02)
+            return step_loaded(items, coef)
+        st.step_loaded = slow
+        m(x).sum().backward()
+        opt.step()
+        pl = st._pipeline
+        assert len(opt.layout.trainable_gids()) >= 16
+        # the one stepped, one (full) sub-group read ahead plus the next being read, one being written
+        assert pl.peak_in_flight <= 1 + (pl.ahead + 1) + pl.behind, pl.peak_in_flight
+    finally:
+        opt.close()
+
 def test_8bit_states_are_one_extent_each_scales_and_codes_together(tmp_path):
     """Issue 12, build item 3: a sub-group's 8-bit moment is stored as one tensor -- the blocks' absmax
     (scales) then the codes ([Note: packed layout] in quant/packed.py) -- so one extent of the nvme tier, read

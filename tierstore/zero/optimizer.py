@@ -256,7 +256,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
             optimizer_class, self.inner.param_groups, self.device)
         self._stepper = SubgroupStepper(self.store, config, self.inner, self._placeholder, self._gid_group,
                                         self._templates, self._states8, self._skipped, buffers,
-                                        shared_master=self._shared_master, fused8=fused8, device=self.device,
+                                        shard_numel=self.layout.shard_numel, shared_master=self._shared_master, fused8=fused8, device=self.device,
                                         disk=self._disk)
         # [Note: persistent gradient partitions] in grad_partitions.py
         self._grads = GradPartitions(self.store, config.gradients, self.layout, buffers, self._disk,

@@ -3,7 +3,7 @@
 [Note: step pipeline]
 ZeRO-Infinity (Rajbhandari et al., SC'21, sec. 6.2 "overlap-centric design") overlaps the NVMe reads of the
 next sub-group's optimizer states and the writes of the previous one with the step of the current one.
-Here a reader thread runs ``load(i + 1 .. i + ahead)``, the caller's thread runs ``compute(i)`` (the inner
+Here reader threads run ``load(i + 1 .. i + ahead)``, the caller's thread runs ``compute(i)`` (the inner
 optimizer's step, which wants the cores), and a writer thread runs ``save(i - 1 ..)``. At most
 ``ahead`` loaded and ``behind`` unsaved sub-groups exist at any time besides the one being stepped, so the
 memory the step holds is bounded by (ahead + 1 + behind) sub-groups, whatever the model size; the store's
@@ -11,9 +11,13 @@ pinned budget bounds the staging on top. Given the sub-groups' `sizes` and `unit
 one's fp32 master bytes, and sub_group_bytes), the reader also loads further ahead while those loaded ahead
 come to at most ``ahead`` x unit_bytes: sub-groups much smaller than sub_group_bytes (a bucket per 4 MiB
 layer) would otherwise leave the reader idle while each is stepped, and the disk with it -- the same bound
-in bytes as ``ahead`` full sub-groups. One reader thread loads: a sub-group's reads drain to nothing at its
-end, and the disk sits idle there (a fifth of the step at 256M, 4 MiB sub-groups; 6-9% with two readers, but
-two raised the peak RSS of the dynamic8 step at 256M from 0.8 to 1.6 GB, not understood yet). An error in
+in bytes as ``ahead`` full sub-groups. Two reader threads load, in the order submitted: a sub-group's reads
+drain to nothing at its end, and with one reader the disk sat idle there -- a fifth of the step at 256M
+(4 MiB sub-groups); with two, the next sub-group's reads are queued meanwhile (256M dynamic8: the disk busy
+86% of the step instead of 72-78%, the step 1.8 s instead of 2.1-3.3, alternated, the same peak RSS). The
+bound above holds whatever the number of readers: it counts the loads submitted, not those running. (A
+first try at two readers doubled that peak RSS: the optimizer then gave sizes of 0 -- its placeholders,
+empty outside the step -- so nothing bounded the reads ahead but the reader's own speed.) An error in
 any stage stops the pipeline, waits for the writes already submitted (so nothing is
 half-written when the call returns) and is raised.
 """
@@ -26,6 +30,8 @@ from typing import Any
 
 import torch
 
+STEP_READERS = 2  # threads loading sub-groups for StepPipeline ([Note: step pipeline])
+
 
 class StepPipeline:
     """Reusable reader/writer threads for `run`."""
@@ -35,7 +41,7 @@ class StepPipeline:
         self.unit_bytes = unit_bytes  # bytes of a full sub-group (sizes= of run)
         self.ahead = max(1, (depth - 1) // 2) if depth > 1 else 0
         self.behind = max(1, depth - 1 - self.ahead) if depth > 1 else 0
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstore-step-read") if depth > 1 else None
+        self._reader = ThreadPoolExecutor(STEP_READERS, thread_name_prefix="tierstore-step-read") if depth > 1 else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstore-step-write") if depth > 1 else None
         self.peak_in_flight = 0  # the most sub-groups held at once in the last run (for tests)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -164,18 +165,20 @@ class LoadedSubgroup:
 class SubgroupStepper:
     """Loads, steps and saves sub-groups, and knows which states the store holds for each (``state_keys``)
     and the non-tensor state the inner optimizer keeps (``aux``). `placeholder`: gid -> the inner
-    optimizer's flat placeholder; `gid_group`: gid -> its index in inner.param_groups; `templates`: each
-    group's eager initial state."""
+    optimizer's flat placeholder (empty outside the step); `gid_group`: gid -> its index in
+    inner.param_groups; `templates`: each group's eager initial state; `shard_numel`: gid -> elements of its
+    master on this rank."""
 
     def __init__(self, store, config, inner: torch.optim.Optimizer, placeholder: dict[int, torch.Tensor],
                  gid_group: dict[int, int], templates: list[dict], states8: EightBitStates,
-                 skipped: SkippedParams, buffers: BufferPool, *, shared_master: bool, fused8: bool,
-                 device: torch.device, disk: DiskBytes):
+                 skipped: SkippedParams, buffers: BufferPool, *, shard_numel: Callable[[int], int],
+                 shared_master: bool, fused8: bool, device: torch.device, disk: DiskBytes):
         self.store = store
         self.config = config
         self.inner = inner
         self.placeholder = placeholder
         self.gid_group = gid_group
+        self.shard_numel = shard_numel
         self.templates = templates
         self.states8 = states8
         self.skipped = skipped
@@ -240,7 +243,7 @@ class SubgroupStepper:
         else:
             (self._pipeline if on_disk else self._inline).run(
                 gids, self.load, lambda gid, t: self.step_loaded([t], coef)[0], lambda gid, t: self.save(t),
-                sizes=[4 * self.placeholder[gid].numel() for gid in gids])  # fp32 master bytes
+                sizes=[4 * self.shard_numel(gid) for gid in gids])  # fp32 master bytes ([Note: step pipeline])
 
     def _step_in_place(self, gids: list[int], coef: float) -> None:
         loaded: list[LoadedSubgroup] = []
