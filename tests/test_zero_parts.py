@@ -292,3 +292,31 @@ def test_buffers_lent_to_writes_are_bounded_until_given_back():
     solo = BufferPool(torch.device("cpu"), 4, lend_bytes=1 << 20)
     solo.lent([pool.take(1 << 20, torch.float32)])  # larger than the bound, alone: goes out
     assert solo.lent_bytes == 4 << 20
+
+
+def test_importing_a_subgroup_without_states_forgets_its_8bit_ones(tmp_path):
+    """import_subgroup with an empty state (a sub-group no step reached) deletes the sub-group's states; the
+    record of which were packed in 8 bits goes with them, and the next step creates them again as in a new
+    run, packed again."""
+    from tests.support.models import Deep
+    torch.manual_seed(0)
+    m = Deep(layers=2, width=128)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(tmp_path, params="nvme", states="nvme",
+                                                                    grads="nvme", state_codec="dynamic8",
+                                                                    sub_group_bytes=4096 * 4))
+    try:
+        x = torch.randn(4, 128)
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        packed = sorted(opt._states8.packed)
+        assert packed, "the test needs a state packed in 8 bits"
+        for gid in {g for g, _k in packed}:
+            opt.import_subgroup(gid, opt.export_subgroup(gid)["master"], {}, {})
+            assert opt.export_subgroup(gid)["state"] == {}
+        assert not opt._states8.packed
+        m(x).sum().backward()
+        opt.step()
+        assert sorted(opt._states8.packed) == packed
+    finally:
+        opt.close()

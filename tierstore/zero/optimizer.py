@@ -256,8 +256,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
             optimizer_class, self.inner.param_groups, self.device)
         self._stepper = SubgroupStepper(self.store, config, self.inner, self._placeholder, self._gid_group,
                                         self._templates, self._states8, self._skipped, buffers,
-                                        shard_numel=self.layout.shard_numel, shared_master=self._shared_master, fused8=fused8, device=self.device,
-                                        disk=self._disk)
+                                        shard_numel=self.layout.shard_numel, shared_master=self._shared_master,
+                                        fused8=fused8, device=self.device, disk=self._disk)
         # [Note: persistent gradient partitions] in grad_partitions.py
         self._grads = GradPartitions(self.store, config.gradients, self.layout, buffers, self._disk,
                                      dtype=config.gradient_dtype)  # [Note: gradient dtype on nvme]
@@ -820,6 +820,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         for k in state_keys.get(gid, []):
             if keys.state(gid, k) in self.store:
                 self.store.delete(keys.state(gid, k))
+            self._states8.forget(gid, k)  # put() below says again which of the new ones are packed
         for k, v in state.items():
             self._states8.put(gid, k, v.to(self.device))
         if state:
