@@ -279,6 +279,43 @@ def test_write_error_flush_names_lost_and_kept_tensors(tmp_path):
 
 
 @pytest.mark.parametrize("n", [BIG, SMALL], ids=["streamed", "packed"])
+def test_a_failed_fsync_trusts_none_of_the_writes_since_the_last_flush(tmp_path, monkeypatch, n):
+    """An fsync of the extent files fails: the kernel may have dropped the pages it could not write back,
+    and a retried fsync would succeed without them. So every value written since the last flush that
+    succeeded is treated as a failed write -- kept when a memory copy holds it, else back at its last
+    flushed value or removed -- also when a read had already waited for its write; the error names the
+    fsync's file. Before: the retried flush declared them durable."""
+    d = str(tmp_path / "s")
+    s = Store(d, **opts(host_budget=32 * MiB))
+    s.put("a", val(0, n), "nvme")
+    s.flush()
+    s.tensor("a").update(val(1, n))
+    s.put("b", val(2, n), "nvme")
+    s.put("c", val(3, n), "host")
+    assert torch.equal(s.get("a"), val(1, n)) and torch.equal(s.get("b"), val(2, n))  # reads wait for the writes
+    real = os.fsync
+
+    def failing(fd):
+        if "extents-" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(TierstoreIOError) as ei:
+        s.flush()
+    msg = str(ei.value)
+    assert ei.value.errno == errno.EIO and "fsync of" in msg and "extents-" in msg, msg
+    lost, kept = msg.split("Still held")
+    assert "'a'" in lost and "last flushed value" in lost and "'b'" in lost and "removed" in lost
+    assert "'c'" in kept and "call flush() again" in kept
+    assert torch.equal(s.get("a"), val(0, n)) and "b" not in s and torch.equal(s.get("c"), val(3, n))
+    monkeypatch.setattr(os, "fsync", real)
+    s.flush()
+    s.close()
+    got = reopen_values(d, ["a", "b", "c"])
+    assert set(got) == {"a", "c"} and torch.equal(got["a"], val(0, n)) and torch.equal(got["c"], val(3, n))
+
+
+@pytest.mark.parametrize("n", [BIG, SMALL], ids=["streamed", "packed"])
 def test_full_real_disk(ext4, n):
     """A small ext4 filled up: an update and a put with no memory copy fail at the call, the flushed value
     stays, and after space is freed the same calls and a reopen work."""

@@ -733,6 +733,15 @@ class Residency:
             self._disk.unprotect(protected)
             return fates + [(p, self.write_failed(p, e, err), err) for p, e, err in failed]
 
+    def sync_failed(self, snapshot: list, protected: list, fates: list, err: BaseException) -> list:
+        """An fsync of the flush failed: every write no durable manifest names yet -- `protected`, those
+        written since the last flush that succeeded -- counts as failed, whether it completed or not
+        ([Note: when a flush fails] in store.py); unprotect and fall back for each. Returns every fate."""
+        untrusted = {id(e) for e in protected}
+        with self.lock:
+            self._disk.unprotect(protected)
+            return fates + [(p, self.write_failed(p, e, err), err) for p, e in snapshot if id(e) in untrusted]
+
     def unprotect(self, protected: list) -> None:
         with self.lock:
             self._disk.unprotect(protected)

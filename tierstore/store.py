@@ -32,6 +32,13 @@ was a write that failed (an EIO) is gone: its tensor is back at its last flushed
 flushed, and the error names it without advising a retry. After the rename, a failed directory fsync
 leaves it unknown which manifest a crash would leave: both are kept intact -- the new extents stay
 protected and the previous ones pending free -- until a later flush succeeds.
+A failed fsync of the extent files (or of their directories) counts as a failed write for every value
+written since the last flush that succeeded: after it the kernel may drop the pages it could not write back
+and a retried fsync then succeeds without them (on the buffered fallback), or the device's cache may not
+have kept what O_DIRECT handed it. Which pages were lost is unknown, so none of those writes is trusted:
+values with a memory copy are written again by the next flush, the others are back at their last flushed
+value (or removed), and the error names each -- a retried flush never declares durable what it cannot
+vouch for.
 
 """
 from __future__ import annotations
@@ -186,10 +193,11 @@ class Store:
     def _handle(self, p: Placement) -> TieredTensor:
         return TieredTensor(self._res, p)
 
-    def _flush_error(self, fates: list[tuple[Placement, str, BaseException]]) -> TierstoreIOError:
-        """The error of a flush whose writes failed: names the tensors whose new value was lost and those a
-        later flush stores (see [Note: when a flush fails])."""
-        err = fates[0][2]
+    def _flush_error(self, fates: list[tuple[Placement, str, BaseException]],
+                     fsync: BaseException | None = None) -> TierstoreIOError:
+        """The error of a flush whose writes failed, or whose `fsync` failed: names the tensors whose new value
+        was lost and those a later flush stores (see [Note: when a flush fails])."""
+        err = fsync or fates[0][2]
         code = getattr(err, "errno", None) or errno.EIO
         lost = [(t, f) for t, f, _e in fates if f in ("reverted", "removed")]
         kept = [t for t, f, _e in fates if f == "kept"]
@@ -197,7 +205,10 @@ class Store:
         def names(ts) -> str:
             text = ", ".join(repr(t.name) for t in ts[:8])
             return text + (f" and {len(ts) - 8} more" if len(ts) > 8 else "")
-        parts = [f"flush failed: {len(fates)} tensor(s) could not be written ({os.strerror(code)})",
+        what = (f"made durable (fsync of {getattr(err, 'filename', None) or 'the extent files'}: "
+                f"{os.strerror(code)}; written since the last flush that succeeded, so none is trusted)"
+                if fsync is not None else f"written ({os.strerror(code)})")
+        parts = [f"flush failed: {len(fates)} tensor(s) could not be {what}",
                  "Nothing flushed before is lost"]
         if lost:
             reverted = [t for t, f in lost if f == "reverted"]
@@ -338,7 +349,14 @@ class Store:
             fates, snapshot, protected = self._res.flush_begin()
             renamed = False
             try:
-                self._nvme.sync()
+                try:
+                    self._nvme.sync()
+                except TierstoreIOError as e:  # an fsync failed ([Note: when a flush fails])
+                    fates = self._res.sync_failed(snapshot, protected, fates, e)
+                    protected = []  # unprotected by sync_failed
+                    if not fates:
+                        raise
+                    raise self._flush_error(fates, fsync=e) from e
                 fates = self._res.flush_failed(snapshot, protected, fates)
                 if fates:
                     protected = []  # unprotected by flush_failed
