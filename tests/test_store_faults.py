@@ -315,6 +315,29 @@ def test_a_failed_fsync_trusts_none_of_the_writes_since_the_last_flush(tmp_path,
     assert set(got) == {"a", "c"} and torch.equal(got["a"], val(0, n)) and torch.equal(got["c"], val(3, n))
 
 
+def test_filesystem_shutdown_before_the_fsync(ext4):
+    """A real filesystem shut down (like a power cut) after the new values' writes and before the flush's
+    fsync: the flush names them lost (back at their last flushed value) with EIO advice, and after a
+    remount the store holds the last flush that succeeded."""
+    d = os.path.join(ext4.mnt, "store")
+    s = Store(d, host_budget=0, **opts())
+    s.put("y", val(0), "nvme")
+    s.flush()
+    s.tensor("y").update(val(1))  # streamed: written now, not yet fsynced
+    s._nvme._writer.wait_all()
+    ext4.shutdown()
+    with pytest.raises(TierstoreIOError) as ei:
+        s.flush()
+    msg = str(ei.value)
+    assert ei.value.errno == errno.EIO and "'y'" in msg and "last flushed value" in msg, msg
+    assert "free space" not in msg.lower()
+    s.close(flush=False)
+    ext4.umount()
+    ext4.mount()
+    assert generation(d) == 1
+    assert torch.equal(reopen_values(d, ["y"])["y"], val(0))
+
+
 @pytest.mark.parametrize("n", [BIG, SMALL], ids=["streamed", "packed"])
 def test_full_real_disk(ext4, n):
     """A small ext4 filled up: an update and a put with no memory copy fail at the call, the flushed value
