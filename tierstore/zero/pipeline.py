@@ -8,9 +8,9 @@ optimizer's step, which wants the cores), and a writer thread runs ``save(i - 1 
 ``ahead`` loaded and ``behind`` unsaved sub-groups exist at any time besides the one being stepped, so the
 memory the step holds is bounded by (ahead + 1 + behind) sub-groups, whatever the model size; the store's
 pinned budget bounds the staging on top. Given the sub-groups' `sizes` and `unit_bytes` (the optimizer: each
-one's fp32 master bytes, and sub_group_bytes), the reader also loads further ahead while those loaded ahead
+one's fp32 master bytes, and sub_group_bytes), the readers also load further ahead while those loaded ahead
 come to at most ``ahead`` x unit_bytes: sub-groups much smaller than sub_group_bytes (a bucket per 4 MiB
-layer) would otherwise leave the reader idle while each is stepped, and the disk with it -- the same bound
+layer) would otherwise leave the readers idle while each is stepped, and the disk with them -- the same bound
 in bytes as ``ahead`` full sub-groups. Two reader threads load, in the order submitted: a sub-group's reads
 drain to nothing at its end, and with one reader the disk sat idle there -- a fifth of the step at 256M
 (4 MiB sub-groups); with two, the next sub-group's reads are queued meanwhile (256M dynamic8: the disk busy
