@@ -123,11 +123,25 @@ def main(argv: list[str]) -> int:
         model = make()
     engine, _opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     n = [0]
+    # the parameter swapper ZeRO-Infinity writes updated parameters through, asynchronously
+    swapper = next((p.nvme_swapper for p in model.parameters() if getattr(p, "nvme_swapper", None)), None)
+
+    def step_and_wait() -> None:
+        engine.step()
+        # [Note: a timed step ends when its I/O does] (tierstore/bench/_case.py), for DeepSpeed too: its
+        # parameter writes still in flight would finish while the parent times the other cases. Its optimizer
+        # swapper waits for its own writes already; synchronize_writes() is the parameter swapper's wait.
+        if swapper is not None:
+            swapper.synchronize_writes()
 
     def one_step() -> dict:
         x, y = data[n[0] % len(data)]
         n[0] += 1
-        return _harness.timed_step(lambda: loss_fn(engine, x, y), engine.backward, engine.step)
+        before = _harness.proc_io()
+        out = _harness.timed_step(lambda: loss_fn(engine, x, y), engine.backward, step_and_wait)
+        after = _harness.proc_io()
+        out["bytes"] = {k: after[k] - before[k] for k in after}  # its disk's bytes, as /proc/self/io counts them
+        return out
 
     info = {"optimizer": type(_opt).__name__, "inner": type(getattr(_opt, "optimizer", _opt)).__name__,
             "dtype": str(next(iter(model.parameters())).dtype), "config": cfg, "deepspeed": deepspeed.__version__,

@@ -376,7 +376,7 @@ def print_results(name, result, args, nparams, layers, width, tokens, load0, loa
                 + (f", {tokens} tokens per step" if tokens else "")
                 + f", medians of {args.rounds} rounds alternated A B A B", cols, rows,
                 caption=f"load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end; bytes: the median "
-                        f"per step (store.stats), peak RSS: VmHWM of the case's own process")
+                        f"per step (store.stats; DeepSpeed: /proc/self/io), peak RSS: VmHWM of the case's own process")
     rrows = []
     for k, v in result["ratios"].items():
         t = TARGETS.get(k)
