@@ -180,3 +180,21 @@ def test_proc_io_counts_the_bytes_this_process_writes_to_its_disk(tmp_path):
     after = _harness.proc_io()
     assert after["nvme_written"] - before["nvme_written"] >= 4 << 20
     assert after["nvme_read"] >= before["nvme_read"]
+
+
+def test_load_memory_measures_from_pretrained_plain_and_under_init(tmp_path, capsys):
+    """python -m tierstore.bench.load_memory at a tiny size: both loads run in their own processes; under Init
+    every tensor is read (the file's pages mapped: file-backed RSS of at least half the file), plainly they
+    stay untouched views of the file."""
+    pytest.importorskip("transformers")
+    from tierstore.bench import load_memory
+    out = tmp_path / "lm.json"
+    assert load_memory.main(["--params", "4e6", "--width", "64", "--rounds", "1", "--keep-cache", "--dir",
+                             str(tmp_path), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "plain" in text and "init" in text
+    got = json.loads(out.read_text())
+    by = {s["mode"]: s for s in got["samples"]}
+    assert set(by) == {"plain", "init"}
+    assert by["init"]["RssFile_peak_over_start"] >= got["file_bytes"] // 2
+    assert by["plain"]["RssFile_peak_over_start"] < by["init"]["RssFile_peak_over_start"]
