@@ -485,7 +485,6 @@ def test_the_step_takes_the_masters_backward_read_instead_of_reading_them_again(
         assert all(r <= shard - weight for r in reads[None]), reads
 
 
-
 def test_the_steps_reads_ahead_are_bounded_by_the_sub_groups_bytes(tmp_path):
     """[Note: step pipeline] in pipeline.py: the optimizer gives the step pipeline each sub-group's master
     bytes on this rank, so a reader faster than the step loads at most about ahead x sub_group_bytes ahead.
@@ -515,6 +514,7 @@ def test_the_steps_reads_ahead_are_bounded_by_the_sub_groups_bytes(tmp_path):
         assert pl.peak_in_flight <= 1 + (pl.ahead + 1) + pl.behind, pl.peak_in_flight
     finally:
         opt.close()
+
 
 def test_8bit_states_are_one_extent_each_scales_and_codes_together(tmp_path):
     """Issue 12, build item 3: a sub-group's 8-bit moment is stored as one tensor -- the blocks' absmax
