@@ -221,6 +221,40 @@ def test_init_and_gathered_at_world_2(tmp_path):
         assert _equal(sd, ref.state_dict())
 
 
+def _rank_from_pretrained(rank, world, root):
+    root = pathlib.Path(root)
+    import transformers
+    with Init(cfg(root / f"i{rank}", params="nvme")):
+        m = transformers.GPT2LMHeadModel.from_pretrained(str(root / "saved"))
+    assert all(isinstance(p, OffloadedParameter) for p in m.parameters())
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(root / f"o{rank}", params="nvme"))
+    try:
+        sd = m.state_dict()
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        m.eval()
+        loss = m(input_ids=ids, labels=ids).loss.detach()
+    finally:
+        opt.close()
+    return sd, loss
+
+
+def test_from_pretrained_under_init_at_world_2(tmp_path):
+    """Each of two ranks loads the same checkpoint under Init (its shard of every parameter to its store):
+    the full state_dict and the forward's loss are the plain from_pretrained's, on both ranks."""
+    pytest.importorskip("transformers")
+    ref = _gpt2()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p))  # values no initialisation would give: they must come from the file
+    ref.save_pretrained(str(tmp_path / "saved"))
+    plain = type(ref).from_pretrained(str(tmp_path / "saved")).eval()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    want = plain(input_ids=ids, labels=ids).loss.detach()
+    for sd, loss in run_ranks(_rank_from_pretrained, 2, str(tmp_path)):
+        assert _equal(sd, plain.state_dict())
+        assert torch.equal(loss, want)
+
+
 def test_post_init_holds_one_module_at_a_time(tmp_path, monkeypatch):
     """GPT-2's post_init re-initialises every parameter after the model was built (and offloaded): the values
     it brings back are held one module's worth at a time, not the model."""
