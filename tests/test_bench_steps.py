@@ -189,7 +189,7 @@ def test_load_memory_measures_from_pretrained_plain_and_under_init(tmp_path, cap
     pytest.importorskip("transformers")
     from tierstore.bench import load_memory
     out = tmp_path / "lm.json"
-    assert load_memory.main(["--params", "4e6", "--width", "64", "--rounds", "1", "--keep-cache", "--dir",
+    assert load_memory.main(["--params", "4e6", "--width", "64", "--rounds", "1", "--dir",
                              str(tmp_path), "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "plain" in text and "init" in text

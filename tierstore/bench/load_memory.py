@@ -1,7 +1,7 @@
 """The memory `from_pretrained` takes, plain and under `zero.Init` (parameters on the nvme tier): a GPT-2 of
-about --params parameters is saved once (safetensors), then loaded in fresh processes, alternately, with
-the page cache dropped first where this process may (root); each prints its peak anonymous and
-file-backed RSS above what it had before the load (/proc/self/status, sampled every 5 ms) and the seconds.
+about --params parameters is saved once (safetensors), then loaded in fresh processes, alternately, the
+file's pages dropped from the page cache before each; each prints its peak anonymous and file-backed RSS
+above what it had before the load (/proc/self/status, sampled every 5 ms) and the seconds.
 
     python -m tierstore.bench.load_memory --params 380e6 --dir /path/on/the/disk
 
@@ -20,17 +20,13 @@ import sys
 import threading
 import time
 
+from ._common import drop_page_cache, proc_status
+
 FIELDS = ("RssAnon", "RssFile")
 
 
 def _status() -> dict[str, int]:  # bytes
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in FIELDS:
-                out[k] = int(v.split()[0]) * 1024
-    return out
+    return {k: proc_status(k) for k in FIELDS}
 
 
 def _load(mode: str, model_dir: str, store_dir: str) -> dict:
@@ -65,16 +61,6 @@ def _load(mode: str, model_dir: str, store_dir: str) -> dict:
     return {"mode": mode, "seconds": seconds, **{f"{k}_peak_over_start": peak[k] - base[k] for k in FIELDS}}
 
 
-def _drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:  # not root: the file's pages may still be cached (file-backed RSS counts them alike)
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tierstore.bench.load_memory", description=__doc__.split("\n")[0])
     p.add_argument("--params", type=float, default=380e6, help="about this many parameters (GPT-2, width 1280)")
@@ -82,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="loads of each kind, alternated")
     p.add_argument("--dir", default=".", help="directory on the disk under test (the model file and the store)")
     p.add_argument("--json", default=None, help="write every sample here")
-    p.add_argument("--keep-cache", action="store_true", help="do not drop the page cache before each load")
     p.add_argument("--worker", nargs=3, metavar=("MODE", "MODEL_DIR", "STORE_DIR"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
@@ -105,12 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         n = sum(t.numel() for t in model.parameters())
         model.save_pretrained(model_dir)
         del model
-        file_bytes = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir))
-        dropped = True
+        files = [os.path.join(model_dir, f) for f in os.listdir(model_dir)]
+        file_bytes = sum(os.path.getsize(f) for f in files)
         for _ in range(a.rounds):
             for mode in ("plain", "init"):
                 shutil.rmtree(store_dir, ignore_errors=True)
-                dropped = not a.keep_cache and _drop_page_cache() and dropped
+                drop_page_cache(files)
                 out = subprocess.run([sys.executable, "-m", "tierstore.bench.load_memory", "--worker", mode,
                                       model_dir, store_dir], capture_output=True, text=True, check=True)
                 samples.append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -118,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     mib = 1 << 20
     print(f"from_pretrained of a GPT-2 of {n / 1e6:.0f}M parameters ({layers} x {a.width}), {a.rounds} rounds "
-          f"alternated, page cache {'dropped' if dropped else 'not dropped'} before each; load "
+          f"alternated, the file's pages dropped from the page cache before each; load "
           f"average {os.getloadavg()[0]:.2f}")
     for mode in ("plain", "init"):
         ss = [s for s in samples if s["mode"] == mode]
@@ -128,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"parameters": n, "layers": layers, "width": a.width, "file_bytes": file_bytes,
-                       "samples": samples, "page_cache_dropped": dropped}, f, indent=1)
+                       "samples": samples}, f, indent=1)
     return 0
 
 

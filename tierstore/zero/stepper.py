@@ -61,11 +61,11 @@ class BufferPool:
     A buffer lent to a write ([Note: lent tensors] in tiers/nvme/writes.py) comes back only when the disk has
     its bytes, and ``put`` returns at once: nothing else holds back whoever lends them, so when the reads
     outpace the writes (an NVMe that reads faster than it writes) the step's written buffers could pile up in
-    memory as far as the whole step's bytes -- a peak RSS of 1.9 GiB at 1B appeared with two step readers,
-    against 0.8 with one (bench/README.md, "Seventh session"). So ``lent(tensors)``
-    counts the buffers about to be lent until given back and first waits while those out on loan come to
-    more than `lend_bytes` (one loan always goes out); the step's writer and backward's gradient writes wait
-    there for the disk.
+    memory as far as the whole step's bytes. (The 1.9 GiB peak RSS at 1B that first suggested it, with two step
+    readers, also had unbounded reads ahead -- [Note: step pipeline] in pipeline.py -- so how much of it was
+    lent buffers is not known.) So ``lent(tensors)`` counts the buffers about to be lent until given back and
+    first waits while those out on loan come to more than `lend_bytes` (one loan always goes out); the step's
+    writer and backward's gradient writes wait there for the disk.
     """
 
     def __init__(self, device: torch.device, keep: int, lend_bytes: int | None = None):
