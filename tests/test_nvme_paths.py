@@ -150,6 +150,26 @@ class Lend:
             self.all_done_then = all(f.done() for f in self.ios)
 
 
+def test_wait_written_raises_a_failed_writes_error_as_a_read_would(tmp_path):
+    """TieredTensor.wait_written(): None once a lent write is on disk; for a failed one, the write's error,
+    after the same fallback a read would take (the name back at its last flushed value)."""
+    d = str(tmp_path / "s")
+    with Store(d, **opts()) as s:
+        s.put("x", aligned_values(3 * MiB, 1), "nvme")
+        s.flush()
+        lend = Lend()
+        s.put("x", aligned_values(3 * MiB, 2), "nvme", lend=lend)
+        s.tensor("x").wait_written()
+        assert lend.calls == 1 and torch.equal(s.get("x"), aligned_values(3 * MiB, 2))
+        s.flush()
+        s._engine.inject_fault(2, "eio")  # set up the fault: the new value's write fails
+        s.put("x", aligned_values(3 * MiB, 3), "nvme", lend=Lend())
+        with pytest.raises(TierstoreIOError) as ei:
+            s.tensor("x").wait_written()
+        assert ei.value.errno == errno.EIO
+        assert torch.equal(s.get("x"), aligned_values(3 * MiB, 2))  # reverted, as after a failed read
+
+
 def spy_write_futures(s: Store, monkeypatch) -> list:
     ios: list = []
     real = s._engine.write

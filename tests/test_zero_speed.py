@@ -5,7 +5,10 @@ bytes by kind] in disk_bytes.py)."""
 from __future__ import annotations
 
 import copy
+import errno
+import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -171,7 +174,8 @@ def test_accumulation_into_kept_partitions_is_exact(tmp_path):
 
 def _one_nvme_step(tmp_path, **kw):
     """(disk bytes read, written by kind in the second step, buckets held between its forward and backward,
-    the optimizer's layout and config) of Deep(2, 64) with everything on nvme."""
+    the optimizer's layout and config, bytes of the masters its forward took from the first step) of Deep(2, 64)
+    with everything on nvme."""
     torch.manual_seed(0)
     m = Deep(layers=2, width=64)
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(tmp_path, params="nvme", states="nvme",
@@ -192,14 +196,16 @@ def _one_nvme_step(tmp_path, **kw):
         written = {k: after.disk_written[k] - before.disk_written[k] for k in after.disk_written}
         assert sum(read.values()) == nv1["bytes_out"] - nv0["bytes_out"]
         assert sum(written.values()) == nv1["bytes_in"] - nv0["bytes_in"]
-        return read, written, held, opt.layout, opt.config
+        head = opt._forward_head()  # [Note: stepped masters kept for the forward]
+        assert after.masters_kept - before.masters_kept == len(head)
+        return read, written, held, opt.layout, opt.config, sum(4 * opt.layout.shard_numel(g) for g in head)
     finally:
         opt.close()
 
 
 def test_disk_bytes_by_kind_match_the_store_and_the_sizes(tmp_path):
-    read, written, held, layout, _ = _one_nvme_step(tmp_path / "a", reuse_bytes=0)
-    assert not held
+    read, written, held, layout, _, from_step = _one_nvme_step(tmp_path / "a", reuse_bytes=0)
+    assert not held and not from_step
     shard = sum(layout.shard_numel(g) for g in layout.trainable_gids()) * 4  # bytes, fp32
     # fp32 and params with the states: the master is the parameter shard ([Note: shared master])
     assert written == {"params": 0, "grads": shard, "master": shard, "states": written["states"]}
@@ -210,12 +216,14 @@ def test_disk_bytes_by_kind_match_the_store_and_the_sizes(tmp_path):
 
 def test_the_forwards_last_buckets_are_not_read_again_by_backward(tmp_path):
     """[Note: kept at the turn]: the buckets the forward used last stay for backward, within reuse_bytes."""
-    read0, written0, _, layout, _ = _one_nvme_step(tmp_path / "off", reuse_bytes=0)
-    read, written, held, _, config = _one_nvme_step(tmp_path / "on")  # the default budget
+    read0, written0, _, layout, _, _ = _one_nvme_step(tmp_path / "off", reuse_bytes=0)
+    read, written, held, _, config, from_step = _one_nvme_step(tmp_path / "on")  # the default budget
     last = set(layout.param_gids["layers.1.weight"] + layout.param_gids["layers.1.bias"])
     kept = sum(layout.bucket(g).numel * 4 for g in held)  # bytes
     assert held and held <= last and 0 < kept <= config.reuse_budget == 2 * config.sub_group_bytes
-    assert read["params"] == read0["params"] - kept  # those buckets were not read again
+    # those buckets were not read again, nor those the forward took from the step ([Note: stepped masters kept
+    # for the forward])
+    assert 0 < from_step <= config.reuse_budget and read["params"] == read0["params"] - kept - from_step
     # (the masters backward read are taken by the step too: [Note: masters at hand])
     assert written == written0 and {k: v for k, v in read.items() if k not in ("params", "master")} == \
         {k: v for k, v in read0.items() if k not in ("params", "master")}
@@ -485,6 +493,155 @@ def test_the_step_takes_the_masters_backward_read_instead_of_reading_them_again(
         assert all(r <= shard - weight for r in reads[None]), reads
 
 
+# -- [Note: stepped masters kept for the forward] in stepper.py ------------------------------------------------
+def _nvme_deep(path, **kw):
+    torch.manual_seed(0)
+    m = Deep(layers=4, width=64)
+    ref = copy.deepcopy(m)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(
+        path, params="nvme", states="nvme", grads="nvme", sub_group_bytes=64 * 64 * 4 + 1024, **kw))
+    return m, ref, opt
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("codec", [None, "dynamic8"])
+def test_the_forward_takes_the_masters_the_step_wrote(tmp_path, overlap, codec):
+    """fp32 with everything on nvme: the next forward reads none of the masters the step kept for it (the
+    trace's first sub-groups within reuse_bytes) and training stays bit-equal to torch; reuse_bytes=0 keeps
+    none."""
+    fwd_reads = {}
+    for reuse in (0, None):
+        m, ref, opt = _nvme_deep(tmp_path / str(reuse), reuse_bytes=reuse, overlap_step=overlap, state_codec=codec,
+                                 prefetch_depth=0)  # the forward reads what it uses when it uses it
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        try:
+            for _ in range(3):
+                x = torch.randn(4, 64)
+                before = opt.stats().disk_read["params"]
+                y = m(x).sum()
+                fwd_reads.setdefault(reuse, []).append(opt.stats().disk_read["params"] - before)
+                y.backward()
+                opt.step()
+                opt.zero_grad()
+                if codec is None:
+                    ref(x).sum().backward()
+                    ref_opt.step()
+                    ref_opt.zero_grad()
+            head = opt._forward_head()
+            assert opt.stats().masters_kept == (0 if reuse == 0 else 2 * len(head))  # the 2nd and 3rd forwards
+            if codec is None:
+                full = opt.full_state_dict()
+                for n, p in ref.named_parameters():
+                    assert torch.equal(full[n], p.detach()), n
+        finally:
+            opt.close()
+    shard = sum(opt.layout.shard_numel(g) for g in opt.layout.trainable_gids()) * 4  # bytes
+    kept = sum(4 * opt.layout.shard_numel(g) for g in head)  # bytes
+    assert head and 0 < kept <= opt.config.reuse_budget
+    assert all(r >= shard for r in fwd_reads[0])  # (a small bucket several modules use is read for each)
+    assert all(r <= r0 - kept for r, r0 in zip(fwd_reads[None][1:], fwd_reads[0][1:])), fwd_reads
+
+
+def _slow_writes(monkeypatch, opt, *, delay: float = 0.0, fail: bool = False) -> list:
+    """From on.append(True) on (`on`, the list returned), each write of the store finishes `delay` seconds
+    after the disk has it -- a disk that holds on to its writes -- or fails with EIO if `fail`; the time each
+    was issued is appended to `on`. Reaches into the store's engine to set up the fault."""
+    engine = opt.store._engine
+    real = engine.write
+    on: list = []
+
+    def write(f, buf, offset=0):
+        io = real(f, buf, offset)
+        if not on:
+            return io
+        on.append(time.perf_counter())
+        out: Future = Future()
+
+        def finish():
+            io.exception()  # the real write is done
+            time.sleep(delay)
+            if fail:
+                out.set_exception(OSError(errno.EIO, "Input/output error (injected)"))
+            else:
+                out.set_result(io.result())
+        threading.Thread(target=finish, daemon=True).start()
+        return out
+    monkeypatch.setattr(engine, "write", write)
+    return on
+
+
+def test_a_kept_master_is_not_used_before_its_write_has_finished(tmp_path, monkeypatch):
+    """The master the step kept is lent to its write: nothing uses it before that write has finished (the
+    forward waits for it), and then the forward computes what torch does. Overlapped, the forward's first
+    sub-groups are stepped last: their writes are still in flight when step() returns."""
+    m, ref, opt = _nvme_deep(tmp_path, overlap_step=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    slow = _slow_writes(monkeypatch, opt, delay=1.0)
+    try:
+        x = torch.randn(4, 64)
+        for model, o in ((m, opt), (ref, ref_opt)):
+            model(x).sum().backward()
+            o.step()
+            o.zero_grad()
+            model(x).sum().backward()
+            if o is opt:
+                slow.append(True)  # this step's writes take a second to finish
+            o.step()
+            o.zero_grad()
+        last = max(slow[1:])  # when the step issued its last write (a state of the forward's first sub-group)
+        y = m(x).sum().detach()
+        # its master was written just before: the forward could not use it sooner
+        assert time.perf_counter() >= last + 1.0 - 0.1
+        assert opt.stats().masters_kept == 2 * len(opt._forward_head()) > 0  # the 2nd and 3rd forwards
+        assert torch.equal(y, ref(x).sum().detach())
+    finally:
+        opt.close()
+
+
+def test_a_failed_write_of_a_kept_master_is_reported_by_the_forward(tmp_path, monkeypatch):
+    """The forward does not read the masters the step kept, so it does not meet their write's error the way a
+    read would: it asks for it, and raises it as the read does (reuse_bytes=0)."""
+    errors = {}
+    for reuse in (0, None):
+        m, _ref, opt = _nvme_deep(tmp_path / str(reuse), reuse_bytes=reuse)
+        failing = _slow_writes(monkeypatch, opt, fail=True)
+        try:
+            x = torch.randn(4, 64)
+            m(x).sum().backward()
+            opt.store.flush()  # the gradients' staged writes must not fail with the step's
+            failing.append(True)
+            opt.step()  # its writes fail on the disk, after the step returned (they are not waited for)
+            opt.zero_grad()
+            with pytest.raises(OSError) as ei:
+                m(x).sum()
+            errors[reuse] = ei.value.errno
+            assert opt.stats().masters_kept == 0
+        finally:
+            failing.clear()
+            monkeypatch.undo()
+            opt.close()
+    assert errors == {0: errno.EIO, None: errno.EIO}
+
+
+def test_masters_kept_for_the_forward_are_dropped_when_a_master_is_written(tmp_path):
+    """load_state_dict between the step and the forward: the forward computes with the loaded values, not the
+    masters the step kept."""
+    m, _ref, opt = _nvme_deep(tmp_path)
+    try:
+        x = torch.randn(4, 64)
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        torch.manual_seed(5)
+        other = Deep(layers=4, width=64)
+        m.load_state_dict(other.state_dict())
+        before = opt.stats().masters_kept  # (the load may take them, to read what it does not replace)
+        assert torch.equal(m(x), other(x))
+        assert opt.stats().masters_kept == before
+    finally:
+        opt.close()
+
+
 def test_the_steps_reads_ahead_are_bounded_by_the_sub_groups_bytes(tmp_path):
     """[Note: step pipeline] in pipeline.py: the optimizer gives the step pipeline each sub-group's master
     bytes on this rank, so a reader faster than the step loads at most about ahead x sub_group_bytes ahead.
@@ -577,11 +734,11 @@ def test_the_steps_writes_come_from_its_buffers_which_come_back_only_when_writte
     early: list[int] = []  # buffers given back while a write from them was in flight
     real_give = BufferPool.give
 
-    def give(self, t):
+    def give(self, t, **kw):
         lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
         if any(lo <= a < hi and not f.done() for a, _n, f in list(in_flight)):
             early.append(lo)
-        return real_give(self, t)
+        return real_give(self, t, **kw)
 
     monkeypatch.setattr(BufferPool, "give", give)
     torch.manual_seed(0)

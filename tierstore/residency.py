@@ -356,6 +356,20 @@ class Residency:
                   "is gone", p.name, err)
         return "removed"
 
+    def wait_written(self, p: Placement) -> None:
+        """Wait until the write of p's persistent copy, if one is in flight, has finished; a failed write
+        raises its error, after falling back as a read of it would (write_failed)."""
+        with self.lock:
+            self.check(p)
+            ext = p.copies.get(self._disk_name)
+        if ext is None:
+            return
+        try:
+            self._disk.wait_written(ext)
+        except BaseException as err:
+            self._after_read_error(p, ext, err)
+            raise
+
     def _after_read_error(self, p: Placement, ext, err: BaseException) -> None:
         w = ext.written
         if w is not None and w.done() and w.exception() is not None:  # its write failed

@@ -88,6 +88,12 @@ class TieredTensor:
             check_out(self._p, out, device)
         return self._res.read([self._p], device, [out], by_name=False)[0]
 
+    def wait_written(self) -> None:
+        """Wait until the write of this value to nvme, if one is in flight, has finished, and raise its error
+        as a read would if it failed -- for a caller that still holds the bytes it put (lent them) and will
+        use its own copy instead of reading them back."""
+        self._res.wait_written(self._p)
+
     def prefetch(self, tier: str = "device") -> Future:
         """Start moving a copy up to `tier` ('device' or 'host'); the future resolves to this TieredTensor."""
         tier_index(tier)

@@ -186,6 +186,9 @@ class PersistentTier(Tier, Protocol):
     def wait_writes(self) -> None:
         """Wait for the writes submitted so far (not durable: sync() is)."""
 
+    def wait_written(self, e: Any) -> None:
+        """Wait until extent `e`'s write (if one is in flight) has finished; raise its error if it failed."""
+
     def read(self, e: Any, out: torch.Tensor, what: str) -> None:
         """Read extent `e` into `out` (contiguous uint8 CPU, e.length elements), its checksum checked."""
 

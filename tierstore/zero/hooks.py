@@ -144,6 +144,8 @@ class ParamCoordinator:
         self._turn: dict[int, None] = {}  # gids held past their release near the forward's end, in release order
         self._suffix: list[int] = []  # bytes of the buckets the trace's calls from each position on use
         self._suffix_key: tuple | None = None  # the trace those were computed for
+        self._order: list[int] = []  # forward_order()'s, for the trace of _order_key
+        self._order_key: tuple | None = None
         self.kept_at_turn = 0
         self.phase = Phase.IDLE  # [Note: phases]
         self._depth = 0  # nesting of the root module's forward
@@ -333,6 +335,21 @@ class ParamCoordinator:
             if not self.residency.in_use(gid):
                 self.release(gid)
         self._turn.clear()
+
+    def forward_order(self) -> list[int]:
+        """The buckets the next forward uses, in the order it first uses them, as the trace predicts (empty
+        while it is being recorded)."""
+        tr = self.trace
+        if tr.recording:
+            return []
+        key = (id(tr.order), len(tr.order), tr.rebuilds)
+        if self._order_key != key:
+            seen: dict[int, None] = {}
+            for mid in tr.order:
+                for g in self._module_gids.get(mid, ()):
+                    seen.setdefault(g)
+            self._order, self._order_key = list(seen), key
+        return self._order
 
     def _near_turn(self, index: int | None) -> bool:
         """Whether a bucket the call at trace position `index` releases is held for backward: the buckets of

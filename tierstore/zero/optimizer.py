@@ -135,6 +135,9 @@ class OptimizerStats:
     # sub-group steps that took the master backward had read from nvme instead of reading it again ([Note: masters
     # at hand] in stepper.py)
     masters_at_hand: int
+    # masters the forward took from the step that wrote them instead of reading them ([Note: stepped masters kept
+    # for the forward] in stepper.py)
+    masters_kept: int
 
 
 class Zero3Optimizer(torch.optim.Optimizer):
@@ -277,6 +280,10 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if (self._shared_master and self.world_size == 1 and not tier_info(config.optimizer_states).memory
                 and config.reuse_budget > 0):
             self.coordinator.on_backward_release = self._offer_master
+        # [Note: stepped masters kept for the forward] in stepper.py: the step's masters, kept for the forward
+        self._head: tuple[list[int] | None, frozenset[int]] = (None, frozenset())  # _forward_head()'s cache
+        if self._shared_master and not tier_info(config.optimizer_states).memory and config.reuse_budget > 0:
+            self._stepper.keep_for_forward = self._forward_head
         # [Note: a partitioned model's state dict] in module_state.py: model.state_dict() / load_state_dict()
         self.module_state = ModuleState(model, self.layout, self._params, self.coordinator, self._fetch_param_shard,
                                         self._read_master, self._write_master, device=self.device, group=process_group)
@@ -471,6 +478,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         """Replace this rank's shard of sub-group `gid` (fp32 values): master and compute-dtype shard."""
         cfg = self.config
         self._stepper.drop_at_hand()
+        self._stepper.drop_kept()
         trainable = self.layout.group_of(gid).trainable
         if trainable:
             self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
@@ -478,7 +486,13 @@ class Zero3Optimizer(torch.optim.Optimizer):
             self.store.put(keys.param(gid), master.to(cfg.compute_dtype), tier=cfg.params)
 
     def _fetch_param_shard(self, gid: int) -> torch.Tensor:
-        name = keys.master(gid) if self._shared_master and self.layout.group_of(gid).trainable else keys.param(gid)
+        if self._shared_master and self.layout.group_of(gid).trainable:
+            kept = self._stepper.take_kept(gid)  # [Note: stepped masters kept for the forward] in stepper.py
+            if kept is not None:
+                return kept
+            name = keys.master(gid)
+        else:
+            name = keys.param(gid)
         shard = self.store.get(name)
         self._disk.count(name, write=False, kind="params")
         return shard
@@ -510,7 +524,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
                               partly_skipped=self._skipped.partly_skipped,
                               disk_read={k: self._disk.read[k] for k in KINDS},
                               disk_written={k: self._disk.written[k] for k in KINDS}, overlapped=self._overlapped,
-                              masters_at_hand=self._stepper.masters_at_hand)
+                              masters_at_hand=self._stepper.masters_at_hand,
+                              masters_kept=self._stepper.masters_kept)
 
     def _global_grad_stats(self) -> tuple[float, bool]:
         sq, bad = self._grads.sum_squares()
@@ -542,9 +557,12 @@ class Zero3Optimizer(torch.optim.Optimizer):
             raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                                f"non-finite, so it cannot be clipped. To disable this error and scale the gradients "
                                f"by the non-finite norm anyway, set `error_if_nonfinite=False`")
-        self._clip_with_norm(max_norm, total)
+        norm = torch.tensor(total)  # float32, as torch's clip_grad_norm_ returns it
+        # previous_norm: the next step clips with the norm this returns, so that the user's own arithmetic on it
+        # (as the tests' reference does) gives the same coefficient to the last bit
+        self._clip_with_norm(max_norm, float(norm) if previous else total)
         self._clipped = True
-        return torch.tensor(total)
+        return norm
 
     def clip_grads_with_norm_(self, max_norm: float, total_norm) -> None:
         """Scale the gradients by min(1, max_norm / (total_norm + 1e-6)) at the next step() (what
@@ -644,6 +662,23 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if self._stream is not None:  # also kept while their sub-groups wait in the stream's queue
             budget += self._stream.queue_bytes  # ([Note: the stream's queue is in bytes] in pipeline.py)
         self._stepper.offer(gid, full, budget)
+
+    def _forward_head(self) -> frozenset[int]:
+        """The trainable sub-groups the next forward uses first, as many as fit in reuse_bytes (their fp32
+        shards): the step keeps their masters for it ([Note: stepped masters kept for the forward])."""
+        order = self.coordinator.forward_order()
+        if self._head[0] is not order:
+            budget, head = self.config.reuse_budget, []
+            for gid in order:
+                if not self.layout.group_of(gid).trainable:
+                    continue
+                nbytes = 4 * self.layout.shard_numel(gid)
+                if nbytes > budget:
+                    break
+                budget -= nbytes
+                head.append(gid)
+            self._head = (order, frozenset(head))
+        return self._head[1]
 
     def _step_final(self, gid: int) -> None:
         """The coordinator's on_final: step sub-group `gid` now, on the stream."""
@@ -812,6 +847,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         cfg = self.config
         self.coordinator.prefetcher.drop()  # read ahead before this write ([Note: prefetch after the step])
         self._stepper.drop_at_hand()
+        self._stepper.drop_kept()
         master = master.to(self.device, torch.float32)
         self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
         if not self._shared_master:

@@ -20,6 +20,24 @@ sub-group's when the stream loads it, so there the budget also covers the stream
 queue is in bytes] in pipeline.py: a master dropped while its sub-group waited was read again, +0.63 GiB per
 step at 256M). Anything that writes a master drops them first
 (``drop_at_hand``: zero_grad, the end of step, gathered(), loading a state).
+
+[Note: stepped masters kept for the forward]
+The same masters, the other way round: with the parameters sharing the master ([Note: shared master] in
+optimizer.py) on a tier that is not memory, the next forward's first reads are the masters this step just
+wrote -- 115 MB a step read back at once for a 29.5M-parameter GPT, most of the 58 ms the forward then waited
+for its prefetch (py-spy). So ``save`` keeps the master buffers of the sub-groups the optimizer names
+(``keep_for_forward``: the ones the forward trace uses first, as many as fit in ``reuse_bytes``), and the
+optimizer's parameter fetch takes one (``take_kept``) instead of reading it. The buffer is lent to the
+master's write ([Note: lent tensors] in tiers/nvme/writes.py): it stays counted as lent, is not recycled into
+the pool when the write gives it back (``Returns(kept=)``), and ``take_kept`` hands it out only once the
+write has finished -- then it is private, as a get() result is -- and only if the write succeeded
+(``TieredTensor.wait_written`` raises its error as the skipped read would have, after the same fallback).
+One is kept only once its put has returned, so what is kept is always the store's current value: a save of
+a sub-group drops the one kept for it first, and whatever writes a master outside the step drops them all
+(``drop_kept``: a model or optimizer state loaded, a checkpoint, gathered(modifier_rank=)). Memory: at most
+``reuse_bytes`` of buffers out of the pool from the step to the forward; at world size 1 the buffer taken goes
+on as the forward's bucket, may be kept at the turn and taken by the next step as a master at hand, so the
+same memory serves all three.
 """
 from __future__ import annotations
 
@@ -99,7 +117,9 @@ class BufferPool:
             return aligned_empty(numel * dtype.itemsize, lock=False).view(dtype)  # ([Note: lent tensors])
         return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def give(self, t: torch.Tensor) -> None:
+    def give(self, t: torch.Tensor, *, recycle: bool = True) -> None:
+        """`t` is back: end its loan if it was lent, and keep it for a later take() unless `recycle` is
+        False (its taker keeps it: [Note: stepped masters kept for the forward])."""
         with self._room:
             loans = self._loans.get(t.data_ptr())
             if loans:
@@ -107,6 +127,8 @@ class BufferPool:
                 if not loans:
                     del self._loans[t.data_ptr()]
                 self._room.notify_all()
+        if not recycle:
+            return
         if self.device.type == "cpu" and t.data_ptr() % ALIGN:  # not one of ours (a gradient partition, a
             return  # master read by backward): recycling it would put an unaligned buffer in the nvme reads' way
         with self._lock:
@@ -118,12 +140,14 @@ class BufferPool:
 class Returns:
     """Gives `tensors` back to `buffers` once every write they were lent to has finished ([Note: lent
     tensors] in tiers/nvme/writes.py): ``lend()`` is the callback for one more put; ``done()`` says no more
-    will be lent."""
+    will be lent. `kept`: one of `tensors` its taker keeps, not recycled into the pool; ``returned`` is set
+    once all are back."""
 
-    def __init__(self, buffers: BufferPool, tensors: list[torch.Tensor]):
-        self.buffers, self.tensors = buffers, tensors
+    def __init__(self, buffers: BufferPool, tensors: list[torch.Tensor], kept: torch.Tensor | None = None):
+        self.buffers, self.tensors, self.kept = buffers, tensors, kept
         self._left = 1  # lends not yet returned, +1 until done()
         self._lock = threading.Lock()
+        self.returned = threading.Event()
 
     def lend(self):
         with self._lock:
@@ -139,7 +163,8 @@ class Returns:
             if self._left:
                 return
         for t in self.tensors:
-            self.buffers.give(t)
+            self.buffers.give(t, recycle=t is not self.kept)
+        self.returned.set()
 
 
 @dataclass
@@ -194,11 +219,16 @@ class SubgroupStepper:
         self._at_hand: dict[int, torch.Tensor] = {}  # gid -> its master's values ([Note: masters at hand])
         self._hand_lock = threading.Lock()  # offered on the main thread, taken on the pipeline's reader
         self.masters_at_hand = 0  # masters a step took from backward instead of reading them (tests)
+        # [Note: stepped masters kept for the forward]
+        self.keep_for_forward: Callable[[], frozenset[int]] | None = None  # the gids to keep; None: none
+        self._kept: dict[int, tuple[torch.Tensor, Returns]] = {}  # gid -> its stepped master, the loan's return
+        self.masters_kept = 0  # masters the forward took from the step instead of reading them
         self._inline = StepPipeline(1)  # nothing on nvme: the reads and writes are pointer moves, threads only cost
 
     def close(self) -> None:
         self._pipeline.close()
         self.drop_at_hand()
+        self.drop_kept()
 
     def offer(self, gid: int, master: torch.Tensor, budget: int) -> None:
         """`master` holds sub-group `gid`'s master values, and nothing else refers to it: keep it for the
@@ -222,6 +252,24 @@ class SubgroupStepper:
         if t is not None:
             self.masters_at_hand += 1
         return t
+
+    def take_kept(self, gid: int) -> torch.Tensor | None:
+        """Sub-group `gid`'s master as the last step wrote it, if kept for the forward: the caller's to use
+        ([Note: stepped masters kept for the forward]). Waits for its write; raises the write's error."""
+        with self._hand_lock:
+            item = self._kept.pop(gid, None)
+        if item is None:
+            return None
+        master, back = item
+        back.returned.wait()  # the write lent it is done with it
+        self.store.tensor(keys.master(gid)).wait_written()
+        self.masters_kept += 1
+        return master
+
+    def drop_kept(self) -> None:
+        """Forget the masters kept for the forward (a master is about to change outside the step)."""
+        with self._hand_lock:
+            self._kept.clear()
 
     # [Note: one inner step for memory tiers]
     # With nothing on nvme there is no I/O to overlap, and stepping sub-group by sub-group costs one inner
@@ -398,14 +446,22 @@ class SubgroupStepper:
     def save(self, t: LoadedSubgroup) -> None:
         cfg = self.config
         gid, got, resident = t.gid, t.tensors, t.resident
-        back = Returns(self.buffers, [v for role, v in got.items() if role not in resident])
+        master = t.master_out
+        assert master is not None  # step_loaded() fills it before save()
+        with self._hand_lock:
+            self._kept.pop(gid, None)  # its value changes now ([Note: stepped masters kept for the forward])
+        keep = (self.keep_for_forward is not None and "master" not in resident
+                and master.data_ptr() == got["master"].data_ptr() and gid in self.keep_for_forward())
+        back = Returns(self.buffers, [v for role, v in got.items() if role not in resident],
+                       kept=got["master"] if keep else None)
         self.buffers.lent(back.tensors)  # [Note: lent buffers are bounded]
         try:
-            master = t.master_out
-            assert master is not None  # step_loaded() fills it before save()
             if "master" not in resident or master.data_ptr() != got["master"].data_ptr():
                 self.store.put(keys.master(gid), master, tier=cfg.optimizer_states, lend=back.lend())
                 self.disk.count(keys.master(gid), write=True)
+                if keep:
+                    with self._hand_lock:
+                        self._kept[gid] = (got["master"], back)
             pname = keys.param(gid)
             if self.shared_master:
                 pass

@@ -164,6 +164,11 @@ class NvmeTier:
         fsynced). Errors of individual writes stay on their extents' futures."""
         self._writer.wait_all()
 
+    def wait_written(self, e: Extent) -> None:
+        """Wait until `e`'s bytes are in its file (writing them now if staged); raise the write's error."""
+        self._check()
+        self._writer.wait_written(e)
+
     def sync(self) -> None:
         """Write what is staged, wait for every write, fsync the files written to (and the directories when
         files were created). Errors of individual writes stay on their extents' futures; an fsync error
