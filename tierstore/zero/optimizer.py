@@ -664,11 +664,12 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self._stepper.offer(gid, full, budget)
 
     def _forward_head(self) -> frozenset[int]:
-        """The trainable sub-groups the next forward uses first, as many as fit in reuse_bytes (their fp32
-        shards): the step keeps their masters for it ([Note: stepped masters kept for the forward])."""
+        """The trainable sub-groups the next forward uses first, as many as fit in min(reuse_bytes,
+        prefetch_bytes) (their fp32 shards): the step keeps their masters for it ([Note: stepped masters kept
+        for the forward])."""
         order = self.coordinator.forward_order()
         if self._head[0] is not order:
-            budget, head = self.config.reuse_budget, []
+            budget, head = min(self.config.reuse_budget, self.config.prefetch_bytes), []
             for gid in order:
                 if not self.layout.group_of(gid).trainable:
                     continue

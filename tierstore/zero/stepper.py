@@ -26,7 +26,10 @@ The same masters, the other way round: with the parameters sharing the master ([
 optimizer.py) on a tier that is not memory, the next forward's first reads are the masters this step just
 wrote -- 115 MB a step read back at once for a 29.5M-parameter GPT, most of the 58 ms the forward then waited
 for its prefetch (py-spy). So ``save`` keeps the master buffers of the sub-groups the optimizer names
-(``keep_for_forward``: the ones the forward trace uses first, as many as fit in ``reuse_bytes``), and the
+(``keep_for_forward``: the ones the forward trace uses first, as many as fit in ``reuse_bytes`` and in
+``prefetch_bytes`` -- the reads ahead right after the step would hold that much of them anyway, [Note: prefetch
+after the step] in prefetch.py: a budget of reuse_bytes alone, 128 MiB, made bench scale's peak RSS 1.11x
+from 252M to 1046M instead of 1.05x), and the
 optimizer's parameter fetch takes one (``take_kept``) instead of reading it. The buffer is lent to the
 master's write ([Note: lent tensors] in tiers/nvme/writes.py): it stays counted as lent, is not recycled into
 the pool when the write gives it back (``Returns(kept=)``), and ``take_kept`` hands it out only once the
@@ -35,9 +38,9 @@ write has finished -- then it is private, as a get() result is -- and only if th
 One is kept only once its put has returned, so what is kept is always the store's current value: a save of
 a sub-group drops the one kept for it first, and whatever writes a master outside the step drops them all
 (``drop_kept``: a model or optimizer state loaded, a checkpoint, gathered(modifier_rank=)). Memory: at most
-``reuse_bytes`` of buffers out of the pool from the step to the forward; at world size 1 the buffer taken goes
-on as the forward's bucket, may be kept at the turn and taken by the next step as a master at hand, so the
-same memory serves all three.
+that budget of buffers out of the pool from the step to the forward (at world size 1 the buffer taken goes
+on as the forward's bucket, may be kept at the turn and taken by the next step as a master at hand); bench
+figures in bench/README.md, "Ninth session".
 """
 from __future__ import annotations
 
