@@ -62,7 +62,8 @@ class OffloadConfig:
         as many as fit in this, are not released and gathered (read) again -- backward needs them first.
         The same budget bounds the masters backward read that the step takes ([Note: masters at hand]) and,
         with fp32 masters shared with the parameters on nvme, the masters the step wrote that the next
-        forward takes instead of reading them ([Note: stepped masters kept for the forward]).
+        forward takes instead of reading them, within prefetch_bytes too ([Note: stepped masters kept for
+        the forward]).
         None (default): 2 x sub_group_bytes; 0: off. See [Note: kept at the turn] in hooks.py.
     sub_group_bytes: bytes of one bucket (a sub-group of the step pipeline), all ranks together.
     min_io_bytes: small parameters are packed until each rank's shard of a bucket reaches this (bytes).
