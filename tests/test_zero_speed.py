@@ -223,7 +223,8 @@ def test_the_forwards_last_buckets_are_not_read_again_by_backward(tmp_path):
     assert held and held <= last and 0 < kept <= config.reuse_budget == 2 * config.sub_group_bytes
     # those buckets were not read again, nor those the forward took from the step ([Note: stepped masters kept
     # for the forward])
-    assert 0 < from_step <= config.reuse_budget and read["params"] == read0["params"] - kept - from_step
+    assert 0 < from_step <= min(config.reuse_budget, config.prefetch_bytes)
+    assert read["params"] == read0["params"] - kept - from_step
     # (the masters backward read are taken by the step too: [Note: masters at hand])
     assert written == written0 and {k: v for k, v in read.items() if k not in ("params", "master")} == \
         {k: v for k, v in read0.items() if k not in ("params", "master")}
@@ -507,8 +508,8 @@ def _nvme_deep(path, **kw):
 @pytest.mark.parametrize("codec", [None, "dynamic8"])
 def test_the_forward_takes_the_masters_the_step_wrote(tmp_path, overlap, codec):
     """fp32 with everything on nvme: the next forward reads none of the masters the step kept for it (the
-    trace's first sub-groups within reuse_bytes) and training stays bit-equal to torch; reuse_bytes=0 keeps
-    none."""
+    trace's first sub-groups within reuse_bytes and prefetch_bytes) and training stays bit-equal to torch;
+    reuse_bytes=0 keeps none."""
     fwd_reads = {}
     for reuse in (0, None):
         m, ref, opt = _nvme_deep(tmp_path / str(reuse), reuse_bytes=reuse, overlap_step=overlap, state_codec=codec,
@@ -537,7 +538,7 @@ def test_the_forward_takes_the_masters_the_step_wrote(tmp_path, overlap, codec):
             opt.close()
     shard = sum(opt.layout.shard_numel(g) for g in opt.layout.trainable_gids()) * 4  # bytes
     kept = sum(4 * opt.layout.shard_numel(g) for g in head)  # bytes
-    assert head and 0 < kept <= opt.config.reuse_budget
+    assert head and 0 < kept <= min(opt.config.reuse_budget, opt.config.prefetch_bytes)
     assert all(r >= shard for r in fwd_reads[0])  # (a small bucket several modules use is read for each)
     assert all(r <= r0 - kept for r, r0 in zip(fwd_reads[None][1:], fwd_reads[0][1:])), fwd_reads
 

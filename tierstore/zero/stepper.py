@@ -27,10 +27,10 @@ optimizer.py) on a tier that is not memory, the next forward's first reads are t
 wrote -- 115 MB a step read back at once for a 29.5M-parameter GPT, most of the 58 ms the forward then waited
 for its prefetch (py-spy). So ``save`` keeps the master buffers of the sub-groups the optimizer names
 (``keep_for_forward``: the ones the forward trace uses first, as many as fit in ``reuse_bytes`` and in
-``prefetch_bytes`` -- the reads ahead right after the step would hold that much of them anyway, [Note: prefetch
-after the step] in prefetch.py: a budget of reuse_bytes alone, 128 MiB, made bench scale's peak RSS 1.11x
-from 252M to 1046M instead of 1.05x), and the
-optimizer's parameter fetch takes one (``take_kept``) instead of reading it. The buffer is lent to the
+``prefetch_bytes`` -- the reads ahead right after the step would hold that much of them anyway, [Note:
+prefetch after the step] in prefetch.py; a budget of reuse_bytes alone, 128 MiB, made bench scale's peak RSS
+1.11x from 252M to 1046M instead of 1.05x), and the optimizer's parameter fetch takes one (``take_kept``)
+instead of reading it. The buffer is lent to the
 master's write ([Note: lent tensors] in tiers/nvme/writes.py): it stays counted as lent, is not recycled into
 the pool when the write gives it back (``Returns(kept=)``), and ``take_kept`` hands it out only once the
 write has finished -- then it is private, as a get() result is -- and only if the write succeeded
