@@ -204,6 +204,19 @@ def test_bad_inputs_name_the_argument():
             quantize(torch.tensor([1.0, float("inf")]), "dyn8u", backend=backend)
 
 
+def test_buffers_on_another_device_than_the_data_are_refused_by_name():
+    # the meta device stands in for an accelerator: what is checked before any kernel runs
+    meta = torch.device("meta")
+    with pytest.raises(TierstoreValueError, match="native kernels run on CPU tensors"):
+        quantize(torch.ones(10, device=meta), "int8", backend="native")
+    with pytest.raises(TierstoreValueError, match=r"out.codes .* on cpu; .* device=meta"):
+        quantize(torch.ones(10), "int8", out=empty_quantized(10, "int8", device=meta))
+    q = quantize(torch.ones(10), "dyn8s")
+    with pytest.raises(TierstoreValueError, match=r"out must be .* on cpu \(where q is\)"):
+        dequantize(q, out=torch.empty(10, device=meta))
+    assert empty_quantized((2, 5), "int4", device=meta).codes.device == meta
+
+
 def test_empty_and_zero_blocks():
     q = quantize(torch.empty(0), "int8")
     assert dequantize(q).numel() == 0

@@ -79,7 +79,7 @@ def build_model(width: int, layers: int, context: int, *, checkpoint: bool = Fal
             self.head.weight = self.embed.weight  # tied: one parameter, two modules
 
         def forward(self, idx):
-            x = self.embed(idx) + self.pos(torch.arange(idx.shape[1]))
+            x = self.embed(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
             for blk in self.blocks:
                 x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False) if checkpoint and \
                     torch.is_grad_enabled() else blk(x)

@@ -166,16 +166,17 @@ def build_tables(signed: bool, rounding: str = "nearest") -> DynamicTables:
 
 
 @cache
-def _torch_tables(signed: bool, rounding: str = "nearest") -> tuple[torch.Tensor, torch.Tensor]:
+def _torch_tables(signed: bool, rounding: str = "nearest",
+                  device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     t = build_tables(signed, rounding)
-    return torch.from_numpy(t.values.copy()), torch.from_numpy(t.mids[:-1].copy())
+    return torch.from_numpy(t.values.copy()).to(device), torch.from_numpy(t.mids[:-1].copy()).to(device)
 
 
 def encode_reference(x: torch.Tensor, absmax: torch.Tensor, signed: bool, rounding: str = "nearest") -> torch.Tensor:
     """Codes for ``x`` (fp32, shape (blocks, block)) with per-block ``absmax`` (fp32, (blocks,)); torch only.
 
     The specification the native kernel must match byte for byte (tests hold them equal)."""
-    _, mids = _torch_tables(signed, rounding)
+    _, mids = _torch_tables(signed, rounding, x.device)
     inv = torch.where(absmax > 0, torch.ones_like(absmax) / absmax, torch.zeros_like(absmax))
     r = x.abs() * inv[:, None]
     codes = torch.bucketize(r, mids, right=False)  # number of midpoints strictly below r
@@ -188,7 +189,7 @@ def encode_reference(x: torch.Tensor, absmax: torch.Tensor, signed: bool, roundi
 
 def decode_reference(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     """fp32 values for ``codes`` (uint8, (blocks, block)) with per-block ``absmax``; torch only."""
-    values, _ = _torch_tables(signed)
+    values, _ = _torch_tables(signed, "nearest", codes.device)
     return values[codes.long()] * absmax[:, None]
 
 

@@ -42,12 +42,16 @@ def num_blocks(numel: int, block_size: int) -> int:
     return -(-numel // block_size)
 
 
-def check_buffer(t: torch.Tensor, what: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """An out= buffer: right dtype, contiguous, CPU, exactly ``numel`` elements."""
+_CPU = torch.device("cpu")
+
+
+def check_buffer(t: torch.Tensor, what: str, dtype: torch.dtype, numel: int,
+                 device: torch.device = _CPU) -> torch.Tensor:
+    """An out= buffer: right dtype, contiguous, on ``device``, exactly ``numel`` elements."""
     if not isinstance(t, torch.Tensor):
         raise TierstoreValueError(f"{what} must be a torch.Tensor, not {type(t).__name__}")
-    if t.dtype != dtype or t.numel() != numel or not t.is_contiguous() or t.device.type != "cpu":
+    if t.dtype != dtype or t.numel() != numel or not t.is_contiguous() or t.device != device:
         raise TierstoreValueError(
-            f"{what} must be a contiguous CPU {dtype} tensor of {numel} elements; got {t.dtype}, "
+            f"{what} must be a contiguous {dtype} tensor of {numel} elements on {device}; got {t.dtype}, "
             f"{t.numel()} elements, contiguous={t.is_contiguous()}, device={t.device}")
     return t

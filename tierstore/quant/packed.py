@@ -72,7 +72,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return c
     if c.numel() % 2:
-        c = torch.cat([c, torch.zeros(1, dtype=torch.uint8)])  # the padding nibble is 0
+        c = torch.cat([c, torch.zeros(1, dtype=torch.uint8, device=c.device)])  # the padding nibble is 0
     pairs = c.view(-1, 2)
     return pairs[:, 0] | (pairs[:, 1] << 4)
 

@@ -73,8 +73,9 @@ class Quantized:
 
 
 def empty_quantized(shape: tuple[int, ...] | torch.Size | int, scheme: str = "int8",
-                    block_size: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32) -> Quantized:
-    """Allocate the buffers once, to be filled by ``quantize(x, out=...)`` in a loop."""
+                    block_size: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> Quantized:
+    """Allocate the buffers once (on ``device``), to be filled by ``quantize(x, out=...)`` in a loop."""
     scheme = get(scheme).name
     check_block_size(block_size)
     check_dtype(dtype, "dtype")
@@ -82,13 +83,21 @@ def empty_quantized(shape: tuple[int, ...] | torch.Size | int, scheme: str = "in
     n = 1
     for s in shape:
         n *= s
-    return Quantized(scheme, block_size, shape, dtype, torch.empty(packed.codes_nbytes(scheme, n), dtype=torch.uint8),
-                     torch.empty(num_blocks(n, block_size), dtype=torch.float32))
+    return Quantized(scheme, block_size, shape, dtype,
+                     torch.empty(packed.codes_nbytes(scheme, n), dtype=torch.uint8, device=device),
+                     torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=device))
 
 
-def _use_native(backend: str, scheme: str | None = None) -> bool:
-    """Whether to run the native kernel (of ``scheme``, when given: a scheme without one runs its torch kernel)."""
+def _use_native(backend: str, scheme: str | None = None, device: torch.device | None = None) -> bool:
+    """Whether to run the native kernel (of ``scheme``, when given: a scheme without one runs its torch kernel)
+    on tensors of ``device`` (None: the CPU). The native kernels run on CPU memory; on any other device the
+    scheme's torch kernel runs, on that device."""
     has_kernel = scheme is None or get(scheme).native
+    if device is not None and device.type != "cpu":
+        if backend == "native":
+            raise TierstoreValueError(f"backend='native' asked for tensors on {device}; the native kernels run on "
+                                      "CPU tensors: pass backend='auto' or 'torch' (the torch kernel runs there)")
+        return False
     if backend == "auto":
         return has_kernel and _native.available()
     if backend == "native":
@@ -106,9 +115,10 @@ def _use_native(backend: str, scheme: str | None = None) -> bool:
 
 def quantize(x: torch.Tensor, scheme: str = "int8", block_size: int = DEFAULT_BLOCK, *,
              out: Quantized | None = None, backend: str = "auto", nthreads: int | None = None) -> Quantized:
-    """Block-quantize ``x`` (fp32/bf16/fp16, any shape, any length; CPU).
+    """Block-quantize ``x`` (fp32/bf16/fp16, any shape, any length; on the CPU with the native kernel where the
+    scheme has one, on any other torch device with the scheme's torch kernel, the same bytes either way).
 
-    ``out``: a Quantized from empty_quantized() (same scheme, block size, element count) to write into.
+    ``out``: a Quantized from empty_quantized() (same scheme, block size, element count, device) to write into.
     Raises TierstoreValueError on NaN/Inf input. See [Note: determinism], [Note: out= buffers]."""
     s = get(scheme)
     scheme = s.name
@@ -116,27 +126,25 @@ def quantize(x: torch.Tensor, scheme: str = "int8", block_size: int = DEFAULT_BL
     if not isinstance(x, torch.Tensor):
         raise TierstoreValueError(f"x must be a torch.Tensor, not {type(x).__name__}")
     check_dtype(x.dtype, "x")
-    if x.device.type != "cpu":
-        raise TierstoreValueError(f"x is on {x.device}; the quantizers run on CPU tensors (move it with .cpu())")
     n = x.numel()
     if out is None:
-        out = empty_quantized(tuple(x.shape), scheme, block_size, x.dtype)
+        out = empty_quantized(tuple(x.shape), scheme, block_size, x.dtype, x.device)
     else:
         if out.scheme != scheme or out.block_size != block_size:
             raise TierstoreValueError(f"out was made for scheme={out.scheme!r}, block_size={out.block_size}; "
                                       f"this call asks for {scheme!r}, {block_size}")
-        check_buffer(out.codes, "out.codes", torch.uint8, s.codes_nbytes(n))
-        check_buffer(out.absmax, "out.absmax", torch.float32, num_blocks(n, block_size))
+        check_buffer(out.codes, "out.codes", torch.uint8, s.codes_nbytes(n), x.device)
+        check_buffer(out.absmax, "out.absmax", torch.float32, num_blocks(n, block_size), x.device)
         out.shape, out.dtype = tuple(x.shape), x.dtype
     if n == 0:
         return out
     xc = x.detach().contiguous()
-    if _use_native(backend, scheme):
+    if _use_native(backend, scheme, x.device):
         _native.quantize(s, xc, out.codes, out.absmax, block_size, nthreads)
         return out
     # the scheme's torch kernel
     nb = num_blocks(n, block_size)
-    xf = torch.zeros(nb * block_size, dtype=torch.float32)
+    xf = torch.zeros(nb * block_size, dtype=torch.float32, device=x.device)
     xf[:n] = xc.reshape(-1)
     xf = xf.view(nb, block_size)
     if not torch.isfinite(xf).all():
@@ -149,27 +157,28 @@ def quantize(x: torch.Tensor, scheme: str = "int8", block_size: int = DEFAULT_BL
 
 def dequantize(q: Quantized, *, out: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                backend: str = "auto", nthreads: int | None = None) -> torch.Tensor:
-    """Decode ``q`` into ``out`` (any contiguous fp32/bf16/fp16 tensor of q.numel elements) or a new tensor of
-    q.shape and ``dtype`` (default: the dtype that was quantized)."""
+    """Decode ``q`` into ``out`` (any contiguous fp32/bf16/fp16 tensor of q.numel elements on q's device) or a
+    new tensor of q.shape and ``dtype`` (default: the dtype that was quantized) there."""
     n = q.numel
     s = get(q.scheme)
+    dev = q.codes.device
     if out is None:
-        out = torch.empty(q.shape, dtype=check_dtype(dtype or q.dtype, "dtype"))
+        out = torch.empty(q.shape, dtype=check_dtype(dtype or q.dtype, "dtype"), device=dev)
     else:
         check_dtype(out.dtype, "out")
-        if out.numel() != n or not out.is_contiguous() or out.device.type != "cpu":
-            raise TierstoreValueError(f"out must be a contiguous CPU tensor of {n} elements; got {out.numel()} "
-                                      f"elements, contiguous={out.is_contiguous()}, device={out.device}")
-    check_buffer(q.codes, "q.codes", torch.uint8, s.codes_nbytes(n))
-    check_buffer(q.absmax, "q.absmax", torch.float32, num_blocks(n, q.block_size))
+        if out.numel() != n or not out.is_contiguous() or out.device != dev:
+            raise TierstoreValueError(f"out must be a contiguous tensor of {n} elements on {dev} (where q is); got "
+                                      f"{out.numel()} elements, contiguous={out.is_contiguous()}, device={out.device}")
+    check_buffer(q.codes, "q.codes", torch.uint8, s.codes_nbytes(n), dev)
+    check_buffer(q.absmax, "q.absmax", torch.float32, num_blocks(n, q.block_size), dev)
     if n == 0:
         return out
-    if _use_native(backend, s.name):
+    if _use_native(backend, s.name, dev):
         _native.dequantize(s, q.codes, q.absmax, out, q.block_size, nthreads)
         return out
     bs = q.block_size
     nb = num_blocks(n, bs)
-    padded = torch.zeros(nb * bs, dtype=torch.int32)  # the padding's decoded values are dropped below
+    padded = torch.zeros(nb * bs, dtype=torch.int32, device=dev)  # the padding's decoded values are dropped below
     padded[:n] = packed.unpack_codes(q.codes, s.bits, n)
     x = s.decode(padded.view(nb, bs), q.absmax)
     out.view(-1).copy_(x.reshape(-1)[:n])

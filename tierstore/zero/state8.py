@@ -8,6 +8,8 @@ as one uint8 tensor in the packed layout ([Note: packed layout] in quant/packed.
 each block, then the codes).
 The optimizer quantizes and dequantizes itself, into recycled buffers, on the reader / writer threads:
 the store moves 1/4 of the bytes and no codec copies. Checkpoints and state_dict() hold fp32 states.
+The step runs on the compute device, so with the model on an accelerator the states are packed and unpacked
+there, by the quantizers' torch kernels (the same bytes as the C kernels; tests/test_accelerator.py).
 
 [Note: fused 8-bit step in ZeRO-3]
 With AdamW over 8-bit states on nvme, unpacking exp_avg / exp_avg_sq to fp32 on the reader thread,
