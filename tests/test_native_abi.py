@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from tierstore.io import _uring
+from tierstore.io import _uring, checksum
 from tierstore.quant import _native as _quant
 from tierstore.quant import layout, schemes
 
@@ -117,6 +117,11 @@ def check_layout(layout_fn, struct: type[C.Structure], header_fields: list[str])
             f"{struct.__name__}.{name}: C (offset, size) {(out[1 + 2 * k], out[2 + 2 * k])}, ctypes " \
             f"{(field.offset, field.size)}"
     assert layout_fn(out, n - 1) < 0  # too small: -EINVAL
+
+
+def test_crc_bindings_and_constants_match_the_header():
+    check_bindings(checksum.lib(), "crc.h", at_least=4)
+    assert {f"TS_CRC_{k.upper()}": v for k, v in checksum.IMPLS.items()} == header_defines("crc.h")
 
 
 def test_uring_bindings_match_the_header():

@@ -34,7 +34,7 @@ def probe_o_direct(directory: str) -> tuple[bool, str]:
 def collect(directory: str) -> dict:
     import torch
 
-    from .io import io_uring_status, memlock_limit
+    from .io import checksum, io_uring_status, memlock_limit
 
     uring_ok, uring_why = io_uring_status()
     direct_ok, direct_why = probe_o_direct(directory)
@@ -55,6 +55,7 @@ def collect(directory: str) -> dict:
         "cpus": os.cpu_count(),
         "io_uring": {"available": uring_ok, "why": uring_why},
         "default_backend": "io_uring" if uring_ok else "threads",
+        "crc32c": checksum.implementation(),
         "directory": os.path.abspath(directory),
         "o_direct": {"available": direct_ok, "why": direct_why},
         "disk_free_bytes": du.free if du else None,
@@ -79,6 +80,8 @@ def run_info(args) -> int:
         ("kernel, cpus", f"{facts['kernel']}, {facts['cpus']}"),
         ("io_uring", ("yes" if facts["io_uring"]["available"] else "no") + f" — {facts['io_uring']['why']}"),
         ("engine backend (auto)", facts["default_backend"]),
+        ("crc32c", {"avx512": "avx512 (VPCLMULQDQ folding)", "sse": "sse (PCLMULQDQ folding)",
+                    "table": "table (no SSE4.2/PCLMULQDQ: slow)"}.get(facts["crc32c"], facts["crc32c"])),
         ("directory", facts["directory"]),
         ("O_DIRECT there", ("yes" if facts["o_direct"]["available"] else "no") + f" — {facts['o_direct']['why']}"),
         ("free space there", fmt_bytes(facts["disk_free_bytes"]) if facts["disk_free_bytes"] is not None else "-"),
