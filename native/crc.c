@@ -13,7 +13,9 @@
  * instruction. The loop keeps four independent accumulators (256 bytes per round with AVX-512, 64 with
  * SSE), folds them into one at the end, the four 128-bit lanes of it into one, and hands the last 16 bytes
  * to the crc32 instruction, which reduces them to the 32-bit register; the tail under 16 bytes too. The
- * incoming checksum enters by XOR into the first 4 bytes, which is what a CRC register does.
+ * incoming checksum enters by XOR into the first 4 bytes, which is what a CRC register does. Where neither
+ * folding runs, tierstore.io.checksum uses the crc32c package rather than the table here (the package has the
+ * crc32 instruction of ARM and SSE4.2-only CPUs; the table is the portable reference for the tests).
  */
 #include <Python.h>
 #include <stddef.h>

@@ -2,7 +2,7 @@
 
 native/crc.c computes it ([Note: crc32c by folding] there: VPCLMULQDQ or PCLMULQDQ folding where the CPU has
 them, 1.7x the crc32c package's speed out of cache and 2x in cache on an AVX-512 machine); where the native
-library is not built, the crc32c package does (the same values)."""
+library is not built or the CPU has neither, the crc32c package does (the same values)."""
 from __future__ import annotations
 
 import ctypes
@@ -40,24 +40,27 @@ def lib() -> ctypes.CDLL:
     return lib
 
 
-def implementation() -> str:
-    """Which code computes the checksums here: 'avx512', 'sse' or 'table' (native/crc.c), or 'crc32c package'."""
+def _best() -> int | None:
+    """native/crc.c's implementation for this CPU, or None where the crc32c package is faster: the library is not
+    built, or only its table runs here (the package then has the CPU's crc32 instruction, e.g. on ARM)."""
     try:
         best = lib().ts_crc32c_best()
     except NativeMissingError:
-        return "crc32c package"
-    return next(name for name, v in IMPLS.items() if v == best)
+        return None
+    return None if best == IMPLS["table"] else best
+
+
+def implementation() -> str:
+    """Which code computes the checksums here: 'avx512' or 'sse' (native/crc.c), or 'crc32c package'."""
+    best = _best()
+    return "crc32c package" if best is None else next(name for name, v in IMPLS.items() if v == best)
 
 
 def _package_crc_at(addr: int, nbytes: int, value: int = 0) -> int:
     return crc32c.crc32c(memory_at(addr, nbytes), value) if nbytes else value
 
 
-_native_crc: Callable[[int, int, int], int] | None
-try:
-    _native_crc = lib().ts_crc32c
-except NativeMissingError:
-    _native_crc = None
+_native_crc: Callable[[int, int, int], int] | None = None if _best() is None else lib().ts_crc32c
 
 
 def crc_at(addr: int, nbytes: int, value: int = 0) -> int:
