@@ -3,19 +3,21 @@
  *
  * [Note: crc32c by folding]
  * The crc32c package computes the checksum with the CPU's crc32 instruction, 8 bytes at a time in three
- * interleaved streams: about 12 GiB/s here, two thirds of the CPU a put() or get() spends (bench/README.md).
+ * interleaved streams: about 12 GiB/s here, two thirds of the CPU a put() or get() spends (docs/io.md).
  * Folding goes faster: a CRC is linear, so a 128-bit slice of the message at distance D bits ahead of a
  * later slice can be replaced by its carry-less product with x^D mod P, added into the later slice, without
- * changing the remainder. With PCLMULQDQ one product of 64 x 64 bits per half: lo * k1 ^ hi * k2 ^ next,
- * where, in the reflected bit order the crc32c polynomial P uses here, k1 = reflect(x^(D+32) mod P) << 1 and
- * k2 = reflect(x^(D-32) mod P) << 1 (derived by checking every candidate exponent against the crc32c
- * package; computed below rather than written as magic numbers). VPCLMULQDQ does four such lanes per
- * instruction. The loop keeps four independent accumulators (256 bytes per round with AVX-512, 64 with
- * SSE), folds them into one at the end, the four 128-bit lanes of it into one, and hands the last 16 bytes
- * to the crc32 instruction, which reduces them to the 32-bit register; the tail under 16 bytes too. The
- * incoming checksum enters by XOR into the first 4 bytes, which is what a CRC register does. Where neither
- * folding runs, tierstore.io.checksum uses the crc32c package rather than the table here (the package has the
- * crc32 instruction of ARM and SSE4.2-only CPUs; the table is the portable reference for the tests).
+ * changing the remainder. Per 64-bit half: lo * k1 ^ hi * k2 ^ next, where, in the reflected bit order the
+ * crc32c polynomial P uses here, k1 = reflect(x^(D+32) mod P) << 1 and k2 = reflect(x^(D-32) mod P) << 1
+ * (found by checking every candidate exponent against the crc32c package; computed below rather than written
+ * as magic numbers). VPCLMULQDQ (AVX-512) does four 128-bit lanes per instruction; the loop keeps four such
+ * 64-byte accumulators (256 bytes a round), folds them into one at the end, its four lanes into one, then
+ * any 16-byte blocks left, and hands the last 16 bytes to the crc32 instruction, which reduces them to the
+ * 32-bit register, and the tail under 16 bytes too. The incoming checksum enters by XOR into the first 4
+ * bytes, which is what a CRC register does.
+ * Only where the CPU has VPCLMULQDQ: folding 16-byte blocks with plain PCLMULQDQ was as fast as the package
+ * on an AMD EPYC (13 GiB/s, PCLMULQDQ's throughput) and half as fast on an Intel Xeon (6.0 vs 11.5 GiB/s),
+ * so tierstore.io.checksum uses the crc32c package on such CPUs (and on ARM, where it has the CPU's crc32
+ * instruction). The table here is the portable reference the tests compare with.
  */
 #include <Python.h>
 #include <stddef.h>
@@ -58,7 +60,7 @@ static void fold_constants(unsigned d, uint64_t k[2])
     k[1] = (uint64_t)reflect32(xpow_mod(d - 32)) << 1;
 }
 
-static uint64_t k128[2], k384[2], k256[2], k512[2], k2048[2];
+static uint64_t k128[2], k256[2], k384[2], k512[2], k2048[2];
 
 static uint32_t crc_table(uint32_t reg, const uint8_t *p, size_t n)
 {
@@ -124,32 +126,6 @@ SSE_TARGET static uint32_t finish16(__m128i x, const uint8_t *p, size_t n)
     return crc_hw((uint32_t)r, p, n);
 }
 
-SSE_TARGET static uint32_t crc_sse(uint32_t reg, const uint8_t *p, size_t n)
-{
-    if (n < 128)
-        return crc_hw(reg, p, n);
-    const __m128i k4 = _mm_set_epi64x((long long)k512[1], (long long)k512[0]);
-    const __m128i k1 = _mm_set_epi64x((long long)k128[1], (long long)k128[0]);
-    __m128i x0 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128((int)reg));
-    __m128i x1 = _mm_loadu_si128((const __m128i *)(p + 16));
-    __m128i x2 = _mm_loadu_si128((const __m128i *)(p + 32));
-    __m128i x3 = _mm_loadu_si128((const __m128i *)(p + 48));
-    p += 64;
-    n -= 64;
-    while (n >= 64) {
-        x0 = fold16(x0, k4, _mm_loadu_si128((const __m128i *)p));
-        x1 = fold16(x1, k4, _mm_loadu_si128((const __m128i *)(p + 16)));
-        x2 = fold16(x2, k4, _mm_loadu_si128((const __m128i *)(p + 32)));
-        x3 = fold16(x3, k4, _mm_loadu_si128((const __m128i *)(p + 48)));
-        p += 64;
-        n -= 64;
-    }
-    x1 = fold16(x0, k1, x1);
-    x2 = fold16(x1, k1, x2);
-    x3 = fold16(x2, k1, x3);
-    return finish16(x3, p, n);
-}
-
 AVX512_TARGET static inline __m512i fold64(__m512i x, __m512i k, __m512i next)
 {
     return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11),
@@ -159,7 +135,7 @@ AVX512_TARGET static inline __m512i fold64(__m512i x, __m512i k, __m512i next)
 AVX512_TARGET static uint32_t crc_avx512(uint32_t reg, const uint8_t *p, size_t n)
 {
     if (n < 512)
-        return crc_sse(reg, p, n);
+        return crc_hw(reg, p, n);
     const __m512i kr = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)k2048[1], (long long)k2048[0]));
     const __m512i k1 = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)k512[1], (long long)k512[0]));
     __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p),
@@ -203,8 +179,6 @@ uint32_t ts_crc32c_with(int impl, uint32_t crc, const void *data, uint64_t n)
 #if defined(__x86_64__)
     if (impl == TS_CRC_AVX512 && (impls >> TS_CRC_AVX512 & 1))
         return ~crc_avx512(reg, p, (size_t)n);
-    if (impl == TS_CRC_SSE && (impls >> TS_CRC_SSE & 1))
-        return ~crc_sse(reg, p, (size_t)n);
 #endif
     (void)impl;
     return ~crc_table(reg, p, (size_t)n);
@@ -234,14 +208,11 @@ __attribute__((constructor)) static void crc_init(void)
     fold_constants(2048, k2048);
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("pclmul")) {
-        impls |= 1 << TS_CRC_SSE;
-        best = TS_CRC_SSE;
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("vpclmulqdq")) {
-            impls |= 1 << TS_CRC_AVX512;
-            best = TS_CRC_AVX512;
-        }
+    if (__builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("vpclmulqdq")) {
+        impls |= 1 << TS_CRC_AVX512;
+        best = TS_CRC_AVX512;
     }
 #endif
 }

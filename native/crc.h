@@ -2,9 +2,9 @@
  *
  * The same function as the crc32c package's crc32c(data, value): `crc` is the checksum of the bytes before
  * (0 to start), the result the checksum of those and `n` more. Implementations, picked once per process by
- * what the CPU has (ts_crc32c_impls): folding 64-byte blocks with VPCLMULQDQ (AVX-512), folding 16-byte
- * blocks with PCLMULQDQ (SSE4.2), and a table (any CPU). All give the same value; tests hold them equal to the
- * crc32c package's on random data, lengths and alignments.
+ * what the CPU has (ts_crc32c_impls): folding 64-byte blocks with VPCLMULQDQ (AVX-512), and a table (any CPU).
+ * Both give the same value; tests hold them equal to the crc32c package's on random data, lengths and
+ * alignments.
  */
 #ifndef TIERSTORE_CRC_H
 #define TIERSTORE_CRC_H
@@ -12,8 +12,7 @@
 #include <stdint.h>
 
 #define TS_CRC_TABLE 0  /* slicing-by-8 tables: any CPU */
-#define TS_CRC_SSE 1    /* x86-64 with SSE4.2 and PCLMULQDQ */
-#define TS_CRC_AVX512 2 /* x86-64 with AVX-512 (F, VL, BW) and VPCLMULQDQ */
+#define TS_CRC_AVX512 1 /* x86-64 with SSE4.2, AVX-512 (F, VL, BW) and VPCLMULQDQ */
 
 /* crc32c of n bytes at data, continuing from crc, with the fastest implementation this CPU runs. */
 uint32_t ts_crc32c(uint32_t crc, const void *data, uint64_t n);

@@ -1,8 +1,8 @@
 """crc32c of host memory in place, by address: the checksum of every extent and checkpoint record.
 
-native/crc.c computes it ([Note: crc32c by folding] there: VPCLMULQDQ or PCLMULQDQ folding where the CPU has
-them, 1.7x the crc32c package's speed out of cache and 2x in cache on an AVX-512 machine); where the native
-library is not built or the CPU has neither, the crc32c package does (the same values)."""
+native/crc.c computes it where the CPU has VPCLMULQDQ ([Note: crc32c by folding] there: 1.7x the crc32c
+package's speed out of cache and 2x in cache on an AMD EPYC); elsewhere, or where the native library is not
+built, the crc32c package does (the same values)."""
 from __future__ import annotations
 
 import ctypes
@@ -18,7 +18,7 @@ _FromMemory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
 _FromMemory.restype = ctypes.py_object
 
 #: TS_CRC_* in native/crc.h, by name
-IMPLS = {"table": 0, "sse": 1, "avx512": 2}
+IMPLS = {"table": 0, "avx512": 1}
 
 
 def memory_at(addr: int, nbytes: int) -> memoryview:
@@ -41,8 +41,8 @@ def lib() -> ctypes.CDLL:
 
 
 def _best() -> int | None:
-    """native/crc.c's implementation for this CPU, or None where the crc32c package is faster: the library is not
-    built, or only its table runs here (the package then has the CPU's crc32 instruction, e.g. on ARM)."""
+    """native/crc.c's implementation for this CPU, or None where the crc32c package is as fast or faster: the
+    library is not built, or only its table runs here (the package has the CPU's crc32 instruction)."""
     try:
         best = lib().ts_crc32c_best()
     except NativeMissingError:
@@ -51,7 +51,7 @@ def _best() -> int | None:
 
 
 def implementation() -> str:
-    """Which code computes the checksums here: 'avx512' or 'sse' (native/crc.c), or 'crc32c package'."""
+    """Which code computes the checksums here: 'avx512' (native/crc.c) or 'crc32c package'."""
     best = _best()
     return "crc32c package" if best is None else next(name for name, v in IMPLS.items() if v == best)
 
