@@ -12,10 +12,10 @@ from tierstore.zero import Zero3Optimizer, keys
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _trained(tmp_path, steps=2, **cfg_kw):
-    _, m = make_pair()
+def _trained(tmp_path, steps=2, net=None, **cfg_kw):
+    _, m = make_pair(**(net or {}))
     opt = Zero3Optimizer(m, torch.optim.AdamW, config=cfg(tmp_path, **cfg_kw), lr=1e-2)
-    for x, y in batches(steps):
+    for x, y in batches(steps, d=(net or {}).get("d", 16)):
         loss_fn(m, x, y).backward()
         opt.step()
     return opt
@@ -139,10 +139,12 @@ def test_loaded_subgroup_is_typed_and_the_stepper_steps_it(tmp_path):
 def test_checkpoint_interface_round_trips_a_subgroup(tmp_path):
     """export_subgroup / import_subgroup / hyperparams / scaler_state: what checkpoint.py uses instead of
     the optimizer's private members."""
-    a = _trained(tmp_path / "a", steps=2, states="nvme", state_codec="dynamic8", min_io_bytes=1 << 14,
-                 sub_group_bytes=1 << 14)
-    b = _trained(tmp_path / "b", steps=0)
+    net = dict(d=64, h=128)  # sub-groups of 16K elements: their states are packed (>= MIN_QUANT_NUMEL)
+    a = _trained(tmp_path / "a", steps=2, net=net, states="nvme", state_codec="dynamic8", min_io_bytes=1 << 14,
+                 sub_group_bytes=1 << 16)
+    b = _trained(tmp_path / "b", steps=0, net=net)
     try:
+        assert a.stats().quantized_states >= 2  # 8-bit states round-trip below, not only fp32 ones
         for gid in a.layout.trainable_gids():
             sg = a.export_subgroup(gid)
             assert sg["master"].dtype == torch.float32 and all(v.dtype == torch.float32 for v in sg["state"].values())
@@ -292,6 +294,46 @@ def test_buffers_lent_to_writes_are_bounded_until_given_back():
     solo = BufferPool(torch.device("cpu"), 4, lend_bytes=1 << 20)
     solo.lent([pool.take(1 << 20, torch.float32)])  # larger than the bound, alone: goes out
     assert solo.lent_bytes == 4 << 20
+
+
+def test_only_the_pools_own_buffers_are_recycled():
+    """[Note: only the pool's own buffers are recycled]: a buffer the pool made comes back from take(), with
+    huge pages advised; a 4 KiB-aligned tensor made elsewhere (torch's allocator, another mapping) is not
+    kept, and neither is memory at the address of an own buffer that is gone."""
+    import gc
+    import re
+
+    from tierstore.tiers.host import aligned_empty
+    from tierstore.zero.stepper import BufferPool
+
+    def huge_advised(addr: int) -> bool:
+        span = None
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+                if m:
+                    span = (int(m.group(1), 16), int(m.group(2), 16))
+                elif span and span[0] <= addr < span[1] and line.startswith("VmFlags:"):
+                    return " hg" in line
+        raise AssertionError(f"{addr:#x} is in no mapping")
+
+    pool = BufferPool(torch.device("cpu"), 4)
+    own = pool.take(1 << 20, torch.float32)
+    assert huge_advised(own.data_ptr())
+    pool.give(own)
+    assert pool.take(1 << 20, torch.float32) is own
+    foreign = aligned_empty(4 << 20, lock=False, huge=False).view(torch.float32)
+    assert foreign.data_ptr() % 4096 == 0
+    pool.give(foreign)
+    got = pool.take(1 << 20, torch.float32)
+    assert got is not foreign and huge_advised(got.data_ptr())
+    addr = got.data_ptr()
+    del got
+    gc.collect()
+    assert addr not in pool._own  # its mapping went: the address is no longer the pool's
+    small = pool.take(16, torch.float32)  # under ALIGNED_MIN: torch's memory, not recycled as one of ours
+    pool.give(small)
+    assert pool.take(16, torch.float32) is not small
 
 
 def test_importing_a_subgroup_without_states_forgets_its_8bit_ones(tmp_path):

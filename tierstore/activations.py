@@ -649,7 +649,7 @@ class ActivationOffload:
         if flat.dtype != rec.dtype:
             flat = flat.view(rec.dtype) if flat.dtype == torch.uint8 else flat.to(rec.dtype)
         if flat.device != rec.device:
-            flat = flat.to(rec.device, non_blocking=True)  # accelerator only: never run here (no GPU)
+            flat = flat.to(rec.device, non_blocking=True)  # accelerator only: tests/test_accelerator.py
         if rec.stride is None:
             return flat.view(rec.size)
         return flat.as_strided(rec.size, rec.stride, flat.storage_offset())

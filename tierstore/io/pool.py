@@ -182,7 +182,7 @@ class BufferPool:
                     "memlock=-1`), or lower the pinned budget, or pass lock=False (slower device copies)")
             raise PinnedMemoryError(f"mlock of {fmt_bytes(self.nbytes)} failed: {errno.errorcode.get(err, err)}")
         self.locked = True
-        if torch.cuda.is_available():  # CUDA-only branch: not run on the CPU-only development machines
+        if torch.cuda.is_available():  # CUDA only: run by tests/test_accelerator.py on a GPU
             rc = torch.cuda.cudart().cudaHostRegister(self.base_addr, self.nbytes, 0)
             self._cuda_registered = int(rc) == 0
             if not self._cuda_registered:

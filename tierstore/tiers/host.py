@@ -35,11 +35,18 @@ _lock_warned = False
 def aligned_empty(nbytes: int, *, lock: bool = True, huge: bool = True) -> torch.Tensor:
     """A uint8 CPU tensor of `nbytes` at a 4 KiB-aligned address (page-locked when `lock` and allowed; advised
     for transparent huge pages when `huge`)."""
-    global _lock_warned
     if nbytes < ALIGNED_MIN:
         return torch.empty(nbytes, dtype=torch.uint8)
     if lock and torch.cuda.is_available():  # CUDA-only branch: let the driver pin it
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return aligned_mapping(nbytes, lock=lock, huge=huge)[0]
+
+
+def aligned_mapping(nbytes: int, *, lock: bool = False, huge: bool = True) -> tuple[torch.Tensor, mmap.mmap]:
+    """aligned_empty's memory as a mapping of its own, with the mmap object: it lives exactly as long as the
+    tensor's storage (views included), so a weak reference to it tells whether that memory is still this
+    allocation's (nbytes > 0)."""
+    global _lock_warned
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     t = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive; unmapped (and unlocked) with the tensor
     if huge:
@@ -49,7 +56,7 @@ def aligned_empty(nbytes: int, *, lock: bool = True, huge: bool = True) -> torch
         log.warning("host tier: page-locking failed (errno %d, `ulimit -l` too low?); host copies stay "
                     "pageable. Raise the limit (`ulimit -l unlimited`) for faster device copies.",
                     ctypes.get_errno())
-    return t
+    return t, mm
 
 
 def result_empty(nbytes: int) -> torch.Tensor:

@@ -965,7 +965,7 @@ def rng_state() -> dict:
     out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
                            "numpy": [kind, torch.from_numpy(np.ascontiguousarray(key)), int(pos), int(has_gauss),
                                      float(cached)]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # not run here (no GPU)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # CUDA only: tests/test_accelerator.py
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out
 
@@ -982,5 +982,5 @@ def set_rng_state(state: dict) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))
     kind, key, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, key.numpy(), pos, has_gauss, cached))
-    if "cuda" in state:  # not run here (no GPU)
+    if "cuda" in state:  # CUDA only: tests/test_accelerator.py
         torch.cuda.set_rng_state_all(state["cuda"])

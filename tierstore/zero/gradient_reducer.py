@@ -134,7 +134,7 @@ class GradientReducer:
         part = self.sink.open_early(gid)
         if part is None:
             return None
-        if part.device != self.params[name].device:  # not run here (CPU only): e.g. host partitions, CUDA compute
+        if part.device != self.params[name].device:  # e.g. host partitions, CUDA compute (tests/test_accelerator.py)
             del self._whole[name]
             return None
         out = part[pc.offset:pc.end].view(self.layout.specs[name][0])

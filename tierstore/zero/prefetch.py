@@ -103,7 +103,7 @@ class DeviceStage:
         self.staged += 1
         if self.side is None or shard.device == self.device:
             return Staged(shard)
-        # accelerator only -- never run here (no GPU on the development machine)
+        # accelerator only: run by tests/test_accelerator.py on a GPU, not on the CPU-only machines
         with self.side:
             dev = shard.to(self.device, non_blocking=True)
             event = torch.Event(device=self.device)
@@ -115,7 +115,7 @@ class DeviceStage:
         """On the main thread, when the shard is used."""
         if staged.event is None:
             return staged.tensor
-        # accelerator only -- never run here
+        # accelerator only: run by tests/test_accelerator.py on a GPU, not on the CPU-only machines
         current = torch.accelerator.current_stream(self.device)
         current.wait_event(staged.event)
         staged.event.synchronize()  # the host copy (the store's buffer) may be reused once this returns
