@@ -93,6 +93,11 @@ bench: $(BENCH_STAMP) bench-refs
 	$(VENV)/bin/tierstore bench optim --dir $(BENCH_DIR) --json bench/results/optim.json
 	$(VENV)/bin/tierstore bench train --dir $(BENCH_DIR) --json bench/results/train.json
 	$(VENV)/bin/tierstore bench scale --dir $(BENCH_DIR) --max-params $(SCALE_MAX) --json bench/results/scale.json
+	@# With an accelerator (a torch build that sees one): the GPT step with the model on it, and its checks.
+	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.accelerator.is_available() else 1)"; then \
+		$(PY) -m pytest -q tests/test_accelerator.py && \
+		$(PY) bench/accelerator_step.py --dir $(BENCH_DIR)/accelerator --json bench/results/accelerator-step.json; \
+	else echo "no accelerator here: bench/accelerator_step.py and tests/test_accelerator.py skipped"; fi
 	$(MAKE) --no-print-directory bench-micro
 
 # Microbenchmarks (bench/test_micro.py, pytest-benchmark): each run is saved under bench/results/micro and compared
