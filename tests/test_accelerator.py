@@ -137,7 +137,8 @@ def test_zero3_on_the_accelerator_matches_torch(tmp_path, params, states, grads,
             opt.step()
             opt.zero_grad()
         assert max_rel(opt.full_state_dict(), ref) <= 1e-6
-        if params != "device":  # shards read ahead reach the device by a copy on the side stream
+        if (params, states) == ("host", "nvme"):  # its shards are read ahead (on the CPU stand-in: 38 staged,
+            # none kept from the step) and reach the device by a copy on the side stream
             assert opt.coordinator.stats().staged_copies > 0
     finally:
         opt.close()
