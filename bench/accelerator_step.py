@@ -25,17 +25,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tierstore.bench import gpt  # noqa: E402
-from tierstore.bench._case import tier_bytes  # noqa: E402
+from tierstore.bench._case import TIERSTORE_CASES, tier_bytes  # noqa: E402
 from tierstore.tiers.device import default_device  # noqa: E402
 from tierstore.zero import OffloadConfig, Zero3Optimizer  # noqa: E402
 
-CASES = {  # name -> (params tier, states and gradients tier, overlap_step, state_codec); None: plain torch
-    "torch-fused": None,
-    "host": ("device", "host", False, None),
-    "nvme": ("nvme", "nvme", False, None),
-    "nvme-overlap": ("nvme", "nvme", True, None),
-    "nvme8-overlap": ("nvme", "nvme", True, "dynamic8"),
-}
+# name -> (params tier, states and gradients tier, overlap_step, state_codec); None: plain torch. The nvme cases
+# are bench train's (_case.TIERSTORE_CASES); "host" keeps the parameters on the accelerator, as ZeRO-Offload does.
+CASES: dict[str, tuple | None] = {"torch-fused": None, "host": ("device", "host", False, None)}
+CASES.update({name: (tier, tier, overlap, codec) for name, (tier, codec, overlap) in TIERSTORE_CASES.items()
+              if name in ("nvme", "nvme-overlap", "nvme8-overlap")})
 
 
 def main() -> int:

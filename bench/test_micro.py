@@ -9,17 +9,21 @@ wrong path cannot pass as a fast path. What they cover, 8 MiB each unless said:
   engine  O_DIRECT write (+fsync) and read of 8 x 1 MiB from page-aligned buffers, and of one plain torch tensor
   store   put(tier="nvme") + flush, get(out=) from the nvme tier, get() into fresh memory
   quant   quantize and dequantize, 4M fp32 elements, for every registered scheme
+  crc     crc32c of 1 MiB (in cache) and 128 MiB (out of cache): what tierstore uses here (native/crc.c where the
+          CPU has VPCLMULQDQ) against the crc32c package, in the same run (group crc32c-<size>)
 """
 from __future__ import annotations
 
 import os
 
+import crc32c
 import pytest
 import torch
 
 from tierstore import Store
 from tierstore.bench._common import drop_page_cache
 from tierstore.io import Engine
+from tierstore.io.checksum import crc_at, memory_at
 from tierstore.quant import DEFAULT_BLOCK, SCHEMES, dequantize, empty_quantized, error_bound, quantize
 from tierstore.tiers.host import aligned_empty
 
@@ -153,3 +157,15 @@ def test_dequantize(benchmark, scheme):
     out = torch.empty(NUMEL)
     benchmark(dequantize, q, out=out)
     assert torch.equal(out, dequantize(q))
+
+
+@pytest.mark.parametrize("nbytes", [MIB, 128 * MIB], ids=["1MiB", "128MiB"])
+@pytest.mark.parametrize("impl", ["tierstore", "crc32c-package"])
+def test_crc32c(benchmark, impl, nbytes):
+    t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    benchmark.group = f"crc32c-{nbytes // MIB}MiB"
+    if impl == "tierstore":
+        got = benchmark(crc_at, t.data_ptr(), nbytes)
+    else:
+        got = benchmark(crc32c.crc32c, memory_at(t.data_ptr(), nbytes))
+    assert got == crc32c.crc32c(t.numpy())

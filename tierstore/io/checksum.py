@@ -1,8 +1,8 @@
 """crc32c of host memory in place, by address: the checksum of every extent and checkpoint record.
 
-native/crc.c computes it where the CPU has VPCLMULQDQ ([Note: crc32c by folding] there: 1.7x the crc32c
-package's speed out of cache and 2x in cache on an AMD EPYC); elsewhere, or where the native library is not
-built, the crc32c package does (the same values)."""
+native/crc.c computes it where the CPU has VPCLMULQDQ ([Note: crc32c by folding] there: 1.75x the crc32c
+package's speed out of cache and 1.9x in cache on an AMD EPYC, `make bench-micro`); elsewhere, or where the
+native library is not built, the crc32c package does (the same values)."""
 from __future__ import annotations
 
 import ctypes
