@@ -96,8 +96,9 @@ bench: $(BENCH_STAMP) bench-refs
 	@# With an accelerator (a torch build that sees one): the GPT step with the model on it, and its checks.
 	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.accelerator.is_available() else 1)"; then \
 		$(PY) -m pytest -q tests/test_accelerator.py && \
-		$(PY) bench/accelerator_step.py --dir $(BENCH_DIR)/accelerator --json bench/results/accelerator-step.json; \
-	else echo "no accelerator here: bench/accelerator_step.py and tests/test_accelerator.py skipped"; fi
+		$(PY) bench/accelerator_step.py --dir $(BENCH_DIR)/accelerator --json bench/results/accelerator-step.json && \
+		$(PY) bench/accelerator_host_step.py; \
+	else echo "no accelerator here: tests/test_accelerator.py and bench/accelerator_*.py skipped"; fi
 	$(MAKE) --no-print-directory bench-micro
 
 # Microbenchmarks (bench/test_micro.py, pytest-benchmark): each run is saved under bench/results/micro and compared

@@ -1,7 +1,7 @@
 """A GPT training step with the model on a real accelerator: plain torch (everything in accelerator memory,
 AdamW(fused=True)) against Zero3Optimizer with the master and states on the host tier (ZeRO-Offload's
-placement) and everything on the nvme tier (ZeRO-Infinity's), plain, with overlap_step, and with overlap_step
-and 8-bit states. Run by hand on a
+placement; plain and with overlap_step) and everything on the nvme tier (ZeRO-Infinity's), plain, with
+overlap_step, and with overlap_step and 8-bit states; tierstore's inner AdamW is fused, as torch's. Run by hand on a
 machine with an accelerator ([Note: the accelerator checks] in tests/test_accelerator.py):
 
     python bench/accelerator_step.py --params 300e6 --rounds 5 --dir /tmp/ts-bench
@@ -31,7 +31,8 @@ from tierstore.zero import OffloadConfig, Zero3Optimizer  # noqa: E402
 
 # name -> (params tier, states and gradients tier, overlap_step, state_codec); None: plain torch. The nvme cases
 # are bench train's (_case.TIERSTORE_CASES); "host" keeps the parameters on the accelerator, as ZeRO-Offload does.
-CASES: dict[str, tuple | None] = {"torch-fused": None, "host": ("device", "host", False, None)}
+CASES: dict[str, tuple | None] = {"torch-fused": None, "host": ("device", "host", False, None),
+                                   "host-overlap": ("device", "host", True, None)}
 CASES.update({name: (tier, tier, overlap, codec) for name, (tier, codec, overlap) in TIERSTORE_CASES.items()
               if name in ("nvme", "nvme-overlap", "nvme8-overlap")})
 
@@ -75,7 +76,9 @@ def main() -> int:
             cfg = OffloadConfig(params=ptier, optimizer_states=tier, gradients=tier, overlap_step=overlap,
                                 state_codec=codec,
                                 nvme_paths=[os.path.join(a.dir, name)] if "nvme" in (ptier, tier) else None)
-            opt = Zero3Optimizer(model, torch.optim.AdamW, lr=1e-4, config=cfg)
+            # fused=True as torch's: the states on the host and nvme tiers step on the CPU, where torch's default
+            # is its for-loop ([Note: the inner step's implementation on the CPU] in tierstore/zero/stepper.py)
+            opt = Zero3Optimizer(model, torch.optim.AdamW, lr=1e-4, config=cfg, fused=True)
         cases[name] = (model, opt, [], [])
     print(f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}; GPT {n_params / 1e6:.0f}M params "
           f"(width {width}, {layers} layers), {tokens} tokens per step; load {os.getloadavg()[0]:.2f}", flush=True)

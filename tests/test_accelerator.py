@@ -11,6 +11,8 @@ ran and where). Written against torch's device-generic API, like the code it che
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -142,6 +144,30 @@ def test_zero3_on_the_accelerator_matches_torch(tmp_path, params, states, grads,
             assert opt.coordinator.stats().staged_copies > 0
     finally:
         opt.close()
+
+
+def test_a_cpu_step_for_an_accelerator_model_warns_once_and_fused_steps_silently(tmp_path):
+    """[Note: the inner step's implementation on the CPU]: the states on the host tier step on the CPU; torch's
+    default there is its for-loop, so the first step says fused=True exists; with it, no warning."""
+    steps = 4
+    ref = _reference(steps, "cpu")
+    for kw in ({}, {"fused": True}):
+        _, m = make_pair()
+        m.to(DEV)
+        opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                             config=cfg(tmp_path / str(len(kw)), "device", "host", "host"), **kw)
+        try:
+            for i, (x, y) in enumerate(batches(steps)):
+                loss_fn(m, x.to(DEV), y.to(DEV)).backward()
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    opt.step()
+                said = [w for w in seen if "fused=True" in str(w.message)]
+                assert len(said) == (1 if i == 0 and not kw else 0), [str(w.message) for w in seen]
+                opt.zero_grad()
+            assert max_rel(opt.full_state_dict(), ref) <= (1e-6 if not kw else 1e-5)
+        finally:
+            opt.close()
 
 
 def _held_out_loss(tmp_path, steps=25, **cfg_kw) -> float:

@@ -362,3 +362,20 @@ def test_importing_a_subgroup_without_states_forgets_its_8bit_ones(tmp_path):
         assert sorted(opt._states8.packed) == packed
     finally:
         opt.close()
+
+
+def test_the_cpu_step_warning_applies_only_to_an_unchosen_implementation_for_an_accelerator_model():
+    from tierstore.zero.stepper import cpu_path_warning
+
+    cpu, acc = torch.device("cpu"), torch.device("cuda")  # a device object only: nothing runs there
+
+    def warning(cls=torch.optim.AdamW, step=cpu, model=acc, **kw):
+        return cpu_path_warning(cls([torch.zeros(1, requires_grad=True)], **kw), 0, step, model, "host")
+
+    msg = warning()
+    assert msg and "AdamW" in msg and "fused=True" in msg and "host tier" in msg and "foreach=False" in msg
+    assert warning(torch.optim.Adam) is not None
+    assert warning(fused=True) is None and warning(foreach=False) is None and warning(foreach=True) is None
+    assert warning(model=cpu) is None  # torch's own default on the CPU: the user's baseline is the same loop
+    assert warning(step=acc) is None  # states on the device tier: the step runs there
+    assert warning(torch.optim.RMSprop) is None  # no fused kernel to recommend

@@ -47,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -61,6 +62,30 @@ from .disk_bytes import DiskBytes
 from .pipeline import StepPipeline
 from .skipped import SkippedParams
 from .state8 import EightBitStates
+
+# [Note: the inner step's implementation on the CPU]
+# Where the optimizer states live on the host or nvme tier, the inner optimizer steps CPU tensors, and
+# torch's optimizers pick their implementation by the tensors' device when the user names none
+# (foreach=None, fused=None): the single-tensor for-loop on the CPU. With the model on an accelerator the
+# user's own torch baseline runs foreach kernels there, so this would be a slow path tierstore introduced,
+# silently: on an H200 machine (16 cores), AdamW.step took 0.31 s per step over a 304M-parameter GPT's
+# states with the for-loop, 0.07-0.08 s with fused=True (torch.profiler; bench/README.md "Accelerator
+# checks"). fused=True is not chosen for the user -- its results differ from the for-loop's (and from
+# torch's default) in the last bit, and drop-in means torch's results for torch's arguments -- so the
+# first step says so, once.
+
+
+def cpu_path_warning(inner: torch.optim.Optimizer, group: int, step_device: torch.device,
+                     model_device: torch.device, tier: str) -> str | None:
+    """The warning of [Note: the inner step's implementation on the CPU], or None where it does not apply."""
+    g = inner.param_groups[group]
+    if (step_device.type != "cpu" or model_device.type == "cpu" or "fused" not in g or g.get("fused") is not None
+            or g.get("foreach") is not None):
+        return None
+    return (f"Zero3Optimizer: the optimizer states are on the CPU ({tier} tier) and {type(inner).__name__} steps "
+            f"them with torch's single-tensor for-loop, its default for CPU tensors (several times slower than "
+            f"its fused CPU kernel). Pass fused=True to Zero3Optimizer (results then differ from the for-loop's "
+            f"in the last bit), or foreach=False to keep the for-loop and silence this warning")
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -246,6 +271,7 @@ class SubgroupStepper:
         self._kept: dict[int, tuple[torch.Tensor, Returns]] = {}  # gid -> its stepped master, the loan's return
         self.masters_kept = 0  # masters the forward took from the step instead of reading them
         self._inline = StepPipeline(1)  # nothing on nvme: the reads and writes are pointer moves, threads only cost
+        self._path_checked = False  # [Note: the inner step's implementation on the CPU]
 
     def close(self) -> None:
         self._pipeline.close()
@@ -427,6 +453,12 @@ class SubgroupStepper:
                 keep = self.skipped.keep(gid, self.gid_group[gid], master, state)  # [Note: skipped parameters]
                 if keep:
                     kept[id(ph)] = keep
+            if staged and not self._path_checked:
+                self._path_checked = True
+                msg = cpu_path_warning(self.inner, self.gid_group[staged[0][0].gid], staged[0][1].device,
+                                       self.device, self.config.optimizer_states)
+                if msg:
+                    warnings.warn(msg, stacklevel=2)
             if staged:
                 self._inner_step([ph for _t, ph in staged], [self.gid_group[t.gid] for t, _ph in staged])
             stepped = True
