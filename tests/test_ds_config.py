@@ -63,7 +63,7 @@ def test_hf_zero3_template_resolved_from_trainer_arguments():
     assert (c.params, c.optimizer_states, c.gradients, c.compute_dtype) == ("host", "host", "host", torch.float32)
     assert c.sub_group_bytes == 4_000_000_000 and c.prefetch_depth == 2 and c.gradient_clipping == 0.05
     assert s.optimizer_class is torch.optim.AdamW
-    assert s.optimizer_kwargs == dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    assert s.optimizer_kwargs == dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, fused=True)
     assert (s.scheduler_type, s.scheduler_params) == ("WarmupLR", dict(warmup_min_lr=0.0, warmup_max_lr=1e-2,
                                                                       warmup_num_steps=3))
     b = s.batch
@@ -91,6 +91,13 @@ def test_zero_infinity_nvme_template():
     with pytest.warns(UserWarning):
         assert from_deepspeed(cfg, world_size=1).optimizer_class is torch.optim.Adam
     assert s.scheduler_type == "WarmupDecayLR" and s.scheduler_params["total_num_steps"] == 1000
+    # DeepSpeed's own fused kernels unless torch_adam: torch's fused kernel, or torch's default
+    assert s.optimizer_kwargs["fused"] is True
+    for extra, fused in (({"torch_adam": True}, None), ({"foreach": True}, None), ({"fused": False}, False)):
+        cfg = load(INFINITY)
+        cfg["optimizer"]["params"].update(extra)
+        with pytest.warns(UserWarning):
+            assert from_deepspeed(cfg, world_size=1).optimizer_kwargs.get("fused") is fused, extra
     assert (s.batch.train_batch_size, s.batch.micro_batch_size, s.batch.gradient_accumulation_steps) == (32, 4, 8)
     with pytest.raises(TierstoreValueError, match="32 != micro_batch_size 4 x gradient_accumulation_steps 8 x "
                                                   "world size 2"):

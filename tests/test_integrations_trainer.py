@@ -102,6 +102,21 @@ def test_max_grad_norm_clips_like_torch(tmp_path):
     assert moved > 1e-4 and math.isfinite(moved)
 
 
+def test_adamw_torch_fused_steps_with_the_fused_kernel_as_trainer_does(tmp_path):
+    """optim='adamw_torch_fused' is AdamW(fused=True) in Trainer; the wrapped optimizer gets it too (its bits
+    differ from the for-loop's), so the weights equal a plain Trainer's with the same optim."""
+    args = dict(optim="adamw_torch_fused", max_steps=2, save_steps=10)
+    ref = Trainer(model=gpt2(), args=targs(tmp_path / "ref", **args), train_dataset=dataset())
+    ref.train()
+    ts = TierstoreTrainer(model=gpt2(), args=targs(tmp_path / "ts", **args), train_dataset=dataset())
+    ts.train()
+    assert ts._zero3().optimizer_kwargs["fused"] is True
+    ref.save_model(str(tmp_path / "a"))
+    ts.save_model(str(tmp_path / "b"))
+    a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_refuses_what_it_cannot_do_right(tmp_path):
     with pytest.raises(TierstoreValueError, match="compute_dtype=torch.bfloat16"):
         TierstoreTrainer(model=gpt2(), args=targs(tmp_path / "a", bf16=True), train_dataset=dataset())

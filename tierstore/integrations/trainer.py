@@ -111,6 +111,8 @@ class TierstoreTrainer(Trainer):
                 cls = torch.optim.AdamW
                 kwargs = {"lr": self.args.learning_rate, "betas": (self.args.adam_beta1, self.args.adam_beta2),
                           "eps": self.args.adam_epsilon}
+                if self.args.optim == "adamw_torch_fused":  # as Trainer's own AdamW(fused=True)
+                    kwargs["fused"] = True
             else:
                 kwargs = {"lr": self.args.learning_rate}
             kwargs.update(self.zero_optimizer_kwargs)

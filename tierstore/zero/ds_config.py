@@ -186,7 +186,7 @@ def _optimizer(sec: dict, args: Mapping[str, Any], ignored: list[str]) -> tuple[
         cls = torch.optim.AdamW if w_mode else torch.optim.Adam
     else:
         params.pop("adam_w_mode", None)
-    params.pop("torch_adam", None)  # which implementation DeepSpeed picks; the maths is the same
+    torch_adam = params.pop("torch_adam", False)  # which implementation DeepSpeed picks; the maths is the same
     if params.pop("bias_correction", True) is not True:
         raise TierstoreValueError("DeepSpeed config: optimizer.params.bias_correction=false has no torch "
                                   "equivalent; remove it (torch's Adam/AdamW always correct the bias)")
@@ -204,6 +204,11 @@ def _optimizer(sec: dict, args: Mapping[str, Any], ignored: list[str]) -> tuple[
                                           f'Trainer fills in; {how}')
             v = _arg(args, arg)
         kwargs[k] = tuple(v) if isinstance(v, list) else v
+    if cls in (torch.optim.Adam, torch.optim.AdamW) and not torch_adam and not {"fused", "foreach"} & set(kwargs):
+        # DeepSpeed steps Adam with its fused kernels (FusedAdam on the GPU, DeepSpeedCPUAdam where the states
+        # are offloaded) unless torch_adam is true: torch's fused kernel is the counterpart ([Note: the inner
+        # step's implementation on the CPU] in stepper.py)
+        kwargs["fused"] = True
     for k in ("lr", "eps", "weight_decay", "momentum"):
         if k in kwargs and (isinstance(kwargs[k], bool) or not isinstance(kwargs[k], int | float)):
             raise TierstoreValueError(f"DeepSpeed config: optimizer.params.{k}={kwargs[k]!r}: expected a number")
