@@ -324,6 +324,16 @@ CLONES static void block_sqrt(const float *restrict x, int64_t len, float *restr
         out[i] = sqrtf(x[i]);
 }
 
+/* block_sqrt with 16 lanes (vsqrtps zmm is IEEE-exact as sqrtps: the same bits); tails go to block_sqrt. */
+__attribute__((target("avx512f"))) static int64_t block_sqrt_avx512(const float *restrict x, int64_t len,
+                                                                   float *restrict out)
+{
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_sqrt_ps(_mm512_loadu_ps(x + i)));
+    return i;
+}
+
 /* One block, in three loops: (1) adamw_update: decode m and v, update p, m and v, and take the new absmaxes
  * (integer max on the bit patterns, as block_absmax); (2) block_sqrt; (3) adamw_finish: finish p and encode m
  * and v with the new absmaxes. (1) and (3) vectorise (every array is a restrict parameter: gcc does not trust
@@ -486,7 +496,8 @@ static int adamw_block(const tsq_adamw_job *j, int64_t b, int64_t len, float *m,
                  &mmax2, &vmax2);
     mmax = mmax2 > mmax ? mmax2 : mmax;
     vmax = vmax2 > vmax ? vmax2 : vmax;
-    block_sqrt(v, len, sq);
+    k = fast ? block_sqrt_avx512(v, len, sq) : 0;
+    block_sqrt(v + k, len - k, sq + k);
     const float am = u2f(mmax), av = u2f(vmax);
     const float minv = am > 0.0f ? 1.0f / am : 0.0f, vinv = av > 0.0f ? 1.0f / av : 0.0f;
     k = fast ? adamw_finish_avx512(j, len, p, m, v, sq, j->m_lut, j->v_lut, minv, vinv, mc, vc) : 0;
