@@ -21,11 +21,12 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from accelerator_step import gpt_task  # noqa: E402
+
 from tierstore.bench import gpt  # noqa: E402
-from tierstore.tiers.device import default_device  # noqa: E402
 from tierstore.zero import OffloadConfig, Zero3Optimizer  # noqa: E402
 
 PIECE = 16 << 20  # elements per piece of the accelerator-side step (64 MiB of fp32)
@@ -36,19 +37,12 @@ def main() -> int:
     ap.add_argument("--params", type=float, default=300e6)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per case (after one untimed)")
     a = ap.parse_args()
-    dev = default_device()
-    if dev.type == "cpu":
+    ctx = 1024
+    task = gpt_task(a.params, ctx, 8)
+    if task is None:
         print("no accelerator: this benchmark is for a machine with one")
         return 2
-    torch.backends.cuda.matmul.allow_tf32 = True
-    width, layers = gpt.shape_for(a.params)
-    ctx, batch = 1024, 8
-    g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, gpt.VOCAB, (batch, ctx + 1), generator=g).to(dev) for _ in range(4)]
-
-    def loss_of(model, i):
-        d = data[i % len(data)]
-        return F.cross_entropy(model(d[:, :-1]).reshape(-1, gpt.VOCAB), d[:, 1:].reshape(-1))
+    dev, width, layers, loss_of = task
 
     def phases(name, make_opt, profile=False):
         torch.manual_seed(0)

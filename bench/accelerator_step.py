@@ -37,6 +37,26 @@ CASES.update({name: (tier, tier, overlap, codec) for name, (tier, codec, overlap
               if name in ("nvme", "nvme-overlap", "nvme8-overlap")})
 
 
+def gpt_task(params: float, context: int, batch: int):
+    """(accelerator, width, layers, loss_of(model, i)) for a GPT of about `params` parameters trained on 4 fixed
+    batches of `batch` x `context` tokens, TF32 matmuls on; None where torch sees no accelerator."""
+    dev = default_device()
+    if dev.type == "cpu":
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    width, layers = gpt.shape_for(params)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, gpt.VOCAB, (batch, context + 1), generator=g).to(dev) for _ in range(4)]
+
+    def loss_of(model, i):
+        d = data[i % len(data)]
+        logits = model(d[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, gpt.VOCAB), d[:, 1:].reshape(-1))
+
+    return dev, width, layers, loss_of
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, default=300e6)
@@ -48,22 +68,13 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    dev = default_device()
-    if dev.type == "cpu":
+    task = gpt_task(a.params, a.context, a.batch)
+    if task is None:
         print("no accelerator: this benchmark is for a machine with one (bench train runs on the CPU)")
         return 2
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    width, layers = gpt.shape_for(a.params)
+    dev, width, layers, loss_of = task
     n_params = gpt.count_params(width, layers, a.context)
-    g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, gpt.VOCAB, (a.batch, a.context + 1), generator=g).to(dev) for _ in range(4)]
     tokens = a.batch * a.context
-
-    def loss_of(model, i):
-        d = data[i % len(data)]
-        logits = model(d[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, gpt.VOCAB), d[:, 1:].reshape(-1))
 
     cases = {}
     for name in a.cases.split(","):
