@@ -64,15 +64,15 @@ from .skipped import SkippedParams
 from .state8 import EightBitStates
 
 # [Note: the inner step's implementation on the CPU]
-# Where the optimizer states live on the host or nvme tier, the inner optimizer steps CPU tensors, and
-# torch's optimizers pick their implementation by the tensors' device when the user names none
-# (foreach=None, fused=None): the single-tensor for-loop on the CPU. With the model on an accelerator the
-# user's own torch baseline runs foreach kernels there, so this would be a slow path tierstore introduced,
-# silently: on an H200 machine (16 cores), AdamW.step took 0.31 s per step over a 304M-parameter GPT's
-# states with the for-loop, 0.07-0.08 s with fused=True (torch.profiler; bench/README.md "Accelerator
-# checks"). fused=True is not chosen for the user -- its results differ from the for-loop's (and from
-# torch's default) in the last bit, and drop-in means torch's results for torch's arguments -- so the
-# first step says so, once.
+# The step runs where the master and states it steps are: on the CPU for states on the host tier (nvme
+# states are read into buffers on the model's device), and torch's optimizers pick their implementation
+# by the tensors' device when the user names none (foreach=None, fused=None): the single-tensor for-loop
+# on the CPU. With the model on an accelerator the user's own torch baseline runs foreach kernels there,
+# so this would be a slow path tierstore introduced, silently: on an H200 machine (16 cores), AdamW.step
+# took 0.31 s per step over a 304M-parameter GPT's states with the for-loop, 0.07-0.08 s with fused=True
+# (torch.profiler; bench/README.md "Accelerator checks"). fused=True is not chosen for the user -- its
+# results differ from the for-loop's (and from torch's default) in the last bit, and drop-in means
+# torch's results for torch's arguments -- so the first step says so, once.
 
 
 def cpu_path_warning(inner: torch.optim.Optimizer, group: int, step_device: torch.device,
