@@ -392,38 +392,115 @@ CLONES static void adamw_finish(const tsq_adamw_job *j, int64_t len, float *rest
  * are adamw_update / adamw_finish written with AVX-512F intrinsics: the same IEEE operations in the same order
  * (no FMA: fp-contract is off, and no fmadd intrinsic is used), explicit gathers for the lookups, so the bytes
  * are those of the portable loops (a test runs both). Used when the CPU has AVX-512F; tails go to the C loops. */
-__attribute__((target("avx512f"))) static int64_t adamw_update_avx512(
-    const tsq_adamw_job *j, int64_t len, float *restrict p, const float *restrict g, const uint8_t *restrict mc,
-    const uint8_t *restrict vc, const float *restrict mvals, const float *restrict vvals, float am_old,
-    float av_old, float *restrict m, float *restrict v, uint32_t *mmax_out, uint32_t *vmax_out)
+#define AVX512_UPDATE_ARGS                                                                                   \
+    const tsq_adamw_job *j, int64_t len, float *restrict p, const float *restrict g, const uint8_t *restrict mc,     \
+        const uint8_t *restrict vc, const float *restrict mvals, const float *restrict vvals,                      \
+        const uint8_t *restrict planes, float am_old, float av_old, float *restrict m, float *restrict v,          \
+        uint32_t *mmax_out, uint32_t *vmax_out
+
+/* The update of 16 elements whose decoded (unscaled) m and v are mi, vi; shared by the two loops below. */
+#define AVX512_UPDATE_16(i, mdec, vdec)                                                                           \
+    do {                                                                                                        \
+        __m512 mi = _mm512_mul_ps((mdec), am), vi = _mm512_mul_ps((vdec), av);                                  \
+        __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + (i)), sign);                                              \
+        _mm512_storeu_ps(p + (i), _mm512_mul_ps(_mm512_loadu_ps(p + (i)), decay));                              \
+        mi = lerp_small ? _mm512_add_ps(mi, _mm512_mul_ps(w1, _mm512_sub_ps(gi, mi)))                           \
+                        : _mm512_sub_ps(gi, _mm512_mul_ps(_mm512_sub_ps(gi, mi), omw1));                        \
+        vi = _mm512_mul_ps(vi, beta2);                                                                          \
+        vi = _mm512_add_ps(vi, _mm512_mul_ps(_mm512_mul_ps(w2, gi), gi));                                       \
+        _mm512_storeu_ps(m + (i), mi);                                                                          \
+        _mm512_storeu_ps(v + (i), vi);                                                                          \
+        mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(mi), absmask));                      \
+        vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(vi), absmask));                      \
+    } while (0)
+
+#define AVX512_UPDATE_CONSTANTS                                                                                   \
+    const __m512 decay = _mm512_set1_ps(j->decay), w1 = _mm512_set1_ps(j->w1),                                   \
+                 omw1 = _mm512_set1_ps(j->one_minus_w1);                                                        \
+    const __m512 beta2 = _mm512_set1_ps(j->beta2), w2 = _mm512_set1_ps(j->w2);                                  \
+    const __m512 sign = _mm512_set1_ps(j->maximize ? -1.0f : 1.0f);                                            \
+    const __m512 am = _mm512_set1_ps(am_old), av = _mm512_set1_ps(av_old);                                      \
+    const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);                                                      \
+    const int lerp_small = j->lerp_small;                                                                       \
+    __m512i mmax = _mm512_setzero_si512(), vmax = _mm512_setzero_si512()
+
+__attribute__((target("avx512f"))) static int64_t adamw_update_avx512(AVX512_UPDATE_ARGS)
 {
-    const __m512 decay = _mm512_set1_ps(j->decay), w1 = _mm512_set1_ps(j->w1), omw1 = _mm512_set1_ps(j->one_minus_w1);
-    const __m512 beta2 = _mm512_set1_ps(j->beta2), w2 = _mm512_set1_ps(j->w2);
-    const __m512 sign = _mm512_set1_ps(j->maximize ? -1.0f : 1.0f);
-    const __m512 am = _mm512_set1_ps(am_old), av = _mm512_set1_ps(av_old);
-    const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
-    const int lerp_small = j->lerp_small;
-    __m512i mmax = _mm512_setzero_si512(), vmax = _mm512_setzero_si512();
+    AVX512_UPDATE_CONSTANTS;
+    (void)planes;
     int64_t i = 0;
     for (; i + 16 <= len; i += 16) {
         __m512i ci = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mc + i)));
         __m512i di = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(vc + i)));
-        __m512 mi = _mm512_mul_ps(_mm512_i32gather_ps(ci, mvals, 4), am);
-        __m512 vi = _mm512_mul_ps(_mm512_i32gather_ps(di, vvals, 4), av);
-        __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), sign);
-        _mm512_storeu_ps(p + i, _mm512_mul_ps(_mm512_loadu_ps(p + i), decay));
-        mi = lerp_small ? _mm512_add_ps(mi, _mm512_mul_ps(w1, _mm512_sub_ps(gi, mi)))
-                        : _mm512_sub_ps(gi, _mm512_mul_ps(_mm512_sub_ps(gi, mi), omw1));
-        vi = _mm512_mul_ps(vi, beta2);
-        vi = _mm512_add_ps(vi, _mm512_mul_ps(_mm512_mul_ps(w2, gi), gi));
-        _mm512_storeu_ps(m + i, mi);
-        _mm512_storeu_ps(v + i, vi);
-        mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(mi), absmask));
-        vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(vi), absmask));
+        AVX512_UPDATE_16(i, _mm512_i32gather_ps(ci, mvals, 4), _mm512_i32gather_ps(di, vvals, 4));
     }
     *mmax_out = _mm512_reduce_max_epu32(mmax);
     *vmax_out = _mm512_reduce_max_epu32(vmax);
     return i;
+}
+
+/* [Note: byte-plane decode] AVX-512 gathers cost about one cycle per element on the CPUs here, and the update
+ * has two per element. With AVX512-VBMI a 256-entry float table is four 256-byte planes (byte k of every value),
+ * and vpermi2b looks up 64 bytes in a 128-byte table at once: per plane two lookups (low and high half of the
+ * codes) and a blend on bit 7, then byte and word unpacks rebuild the 64 floats. The unpacks work inside
+ * 128-bit lanes, so the codes are first permuted (lane and quarter swapped) so that the four results come out
+ * in element order. Same floats as the gathers: exact. planes: 4 x 256 bytes per table, m then v
+ * (byte_planes()). */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) static inline void decode64(const uint8_t *restrict pl,
+                                                                                   __m512i codes, __m512 out[4])
+{
+    /* element 16q + 4L + t goes to byte 16L + 4q + t (L, q, t in 0..3) */
+    const __m512i order = _mm512_set_epi8(63, 62, 61, 60, 47, 46, 45, 44, 31, 30, 29, 28, 15, 14, 13, 12,
+                                          59, 58, 57, 56, 43, 42, 41, 40, 27, 26, 25, 24, 11, 10, 9, 8,
+                                          55, 54, 53, 52, 39, 38, 37, 36, 23, 22, 21, 20, 7, 6, 5, 4,
+                                          51, 50, 49, 48, 35, 34, 33, 32, 19, 18, 17, 16, 3, 2, 1, 0);
+    __m512i c = _mm512_permutexvar_epi8(order, codes);
+    __mmask64 high = _mm512_movepi8_mask(c);
+    __m512i b[4];
+    for (int k = 0; k < 4; k++) {
+        const uint8_t *t = pl + 256 * k;
+        __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t), c, _mm512_load_si512(t + 64));
+        __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(t + 128), c, _mm512_load_si512(t + 192));
+        b[k] = _mm512_mask_blend_epi8(high, lo, hi);
+    }
+    __m512i w0 = _mm512_unpacklo_epi8(b[0], b[1]), w1 = _mm512_unpackhi_epi8(b[0], b[1]);
+    __m512i x0 = _mm512_unpacklo_epi8(b[2], b[3]), x1 = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w0, x0));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w0, x0));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w1, x1));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w1, x1));
+}
+
+/* adamw_update_avx512 with the lookups of decode64, 64 elements at a time; tails go to the gather loop. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) static int64_t adamw_update_vbmi(AVX512_UPDATE_ARGS)
+{
+    AVX512_UPDATE_CONSTANTS;
+    int64_t i = 0;
+    for (; i + 64 <= len; i += 64) {
+        __m512 md[4], vd[4];
+        decode64(planes, _mm512_loadu_si512(mc + i), md);
+        decode64(planes + 1024, _mm512_loadu_si512(vc + i), vd);
+        for (int q = 0; q < 4; q++)
+            AVX512_UPDATE_16(i + 16 * q, md[q], vd[q]);
+    }
+    uint32_t mm2, vm2;
+    i += adamw_update_avx512(j, len - i, p + i, g + i, mc + i, vc + i, mvals, vvals, planes, am_old, av_old,
+                             m + i, v + i, &mm2, &vm2);
+    uint32_t mm1 = _mm512_reduce_max_epu32(mmax), vm1 = _mm512_reduce_max_epu32(vmax);
+    *mmax_out = mm1 > mm2 ? mm1 : mm2;
+    *vmax_out = vm1 > vm2 ? vm1 : vm2;
+    return i;
+}
+
+/* Byte k of every value of the m table, then of the v table: the planes decode64 looks up. */
+static void byte_planes(const float *mvals, const float *vvals, uint8_t *planes)
+{
+    for (int t = 0; t < 2; t++)
+        for (int c = 0; c < 256; c++) {
+            uint32_t u = f2u((t ? vvals : mvals)[c]);
+            for (int k = 0; k < 4; k++)
+                planes[1024 * t + 256 * k + c] = (uint8_t)(u >> (8 * k));
+        }
 }
 
 __attribute__((target("avx512f"))) static inline __m512i dyn_code_avx512(const int32_t *lut, __m512i shift,
@@ -469,38 +546,43 @@ __attribute__((target("avx512f"))) static int64_t adamw_finish_avx512(
     return i;
 }
 
-static int have_avx512(void)
+/* What the CPU allows: 0 portable loops only; 1 AVX-512F (gathers); 2 AVX-512F with BW and VBMI ([Note: byte-plane
+ * decode]) */
+static int avx512_level(void)
 {
     static int cached = -1; /* racy but idempotent: every thread computes the same value */
     if (cached < 0) {
         __builtin_cpu_init(); /* idempotent; needed if called before libgcc's constructor ran */
-        cached = __builtin_cpu_supports("avx512f") ? 1 : 0; /* libgcc also checks that the OS saves zmm state */
+        /* libgcc also checks that the OS saves zmm state */
+        cached = !__builtin_cpu_supports("avx512f") ? 0
+                 : __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") ? 2 : 1;
     }
     return cached;
 }
 
-/* Returns whether the new m or v of block b holds NaN/Inf. */
-static int adamw_block(const tsq_adamw_job *j, int64_t b, int64_t len, float *m, float *v, float *sq)
+/* Returns whether the new m or v of block b holds NaN/Inf. planes: byte_planes() where level is 2. */
+static int adamw_block(const tsq_adamw_job *j, int level, const uint8_t *planes, int64_t b, int64_t len, float *m,
+                       float *v, float *sq)
 {
     const int64_t start = b * j->block;
     float *p = j->param + start;
     const float *g = j->grad + start;
     uint8_t *mc = j->m_codes + start, *vc = j->v_codes + start;
     const float am_old = j->m_absmax[b], av_old = j->v_absmax[b];
-    const int fast = !j->portable && have_avx512();
     uint32_t mmax = 0, vmax = 0, mmax2 = 0, vmax2 = 0;
     int64_t k = 0;
-    if (fast)
-        k = adamw_update_avx512(j, len, p, g, mc, vc, j->m_values, j->v_values, am_old, av_old, m, v, &mmax, &vmax);
+    if (level)
+        k = (level == 2 ? adamw_update_vbmi : adamw_update_avx512)(j, len, p, g, mc, vc, j->m_values, j->v_values,
+                                                                   planes, am_old, av_old, m, v, &mmax, &vmax);
     adamw_update(j, len - k, p + k, g + k, mc + k, vc + k, j->m_values, j->v_values, am_old, av_old, m + k, v + k,
                  &mmax2, &vmax2);
     mmax = mmax2 > mmax ? mmax2 : mmax;
     vmax = vmax2 > vmax ? vmax2 : vmax;
-    k = fast ? block_sqrt_avx512(v, len, sq) : 0;
+    k = level ? block_sqrt_avx512(v, len, sq) : 0;
     block_sqrt(v + k, len - k, sq + k);
     const float am = u2f(mmax), av = u2f(vmax);
     const float minv = am > 0.0f ? 1.0f / am : 0.0f, vinv = av > 0.0f ? 1.0f / av : 0.0f;
-    k = fast ? adamw_finish_avx512(j, len, p, m, v, sq, j->m_lut, j->v_lut, minv, vinv, mc, vc) : 0;
+    k = level ? adamw_finish_avx512(j, len, p, m, v, sq, j->m_lut, j->v_lut, minv, vinv, mc, vc) : 0;
     adamw_finish(j, len - k, p + k, m + k, v + k, sq + k, j->m_lut, j->v_lut, minv, vinv, mc + k, vc + k);
     j->m_absmax[b] = am;
     j->v_absmax[b] = av;
@@ -513,10 +595,14 @@ static void adamw_part(tsq_share *pt)
     float ms[TSQ_MAX_BLOCK] __attribute__((aligned(64)));
     float vs[TSQ_MAX_BLOCK] __attribute__((aligned(64)));
     float sq[TSQ_MAX_BLOCK] __attribute__((aligned(64)));
+    uint8_t planes[2048] __attribute__((aligned(64)));
+    const int level = j->isa >= 0 && j->isa < avx512_level() ? j->isa : avx512_level();
+    if (level == 2)
+        byte_planes(j->m_values, j->v_values, planes);
     for (int64_t b = pt->b0; b < pt->b1; b++) {
         int64_t start = b * j->block;
         int64_t len = j->n - start < j->block ? j->n - start : j->block;
-        pt->bad += adamw_block(j, b, len, ms, vs, sq);
+        pt->bad += adamw_block(j, level, planes, b, len, ms, vs, sq);
     }
 }
 
@@ -565,7 +651,7 @@ int tsq_adamw_job_layout(uint64_t *out, unsigned n)
         sizeof(tsq_adamw_job), A(n), A(block), A(param), A(grad), A(m_codes), A(m_absmax), A(v_codes), A(v_absmax),
         A(m_mids), A(m_values), A(m_lut), A(v_mids), A(v_values), A(v_lut), A(lut_shift), A(m_lut_base),
         A(m_lut_size), A(v_lut_base), A(v_lut_size), A(maximize), A(lerp_small), A(decay), A(w1), A(one_minus_w1),
-        A(beta2), A(w2), A(bc2_sqrt), A(eps), A(step_size), A(nthreads), A(portable),
+        A(beta2), A(w2), A(bc2_sqrt), A(eps), A(step_size), A(nthreads), A(isa),
     };
 #undef A
     return put_layout(layout, sizeof(layout) / sizeof(layout[0]), out, n);

@@ -68,7 +68,8 @@ typedef struct tsq_adamw_job {
     float eps;
     float step_size;     /* lr / (1 - beta1^t) */
     int32_t nthreads;
-    int32_t portable;    /* 1: never the AVX-512 loops (tests compare both paths byte for byte) */
+    int32_t isa;         /* the most the loops may use: -1 what the CPU has, 0 portable C, 1 AVX-512F, 2 AVX-512
+                          * VBMI (tests compare the paths byte for byte) */
 } tsq_adamw_job;
 
 int tsq_quantize(const tsq_job *j);

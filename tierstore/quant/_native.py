@@ -41,7 +41,7 @@ class _AdamWJob(ctypes.Structure):
         ("maximize", ctypes.c_int32), ("lerp_small", ctypes.c_int32),
         ("decay", ctypes.c_float), ("w1", ctypes.c_float), ("one_minus_w1", ctypes.c_float),
         ("beta2", ctypes.c_float), ("w2", ctypes.c_float), ("bc2_sqrt", ctypes.c_float), ("eps", ctypes.c_float),
-        ("step_size", ctypes.c_float), ("nthreads", ctypes.c_int32), ("portable", ctypes.c_int32),
+        ("step_size", ctypes.c_float), ("nthreads", ctypes.c_int32), ("isa", ctypes.c_int32),
     ]
 
 
@@ -127,11 +127,12 @@ def dequantize(scheme: str | Scheme, codes: torch.Tensor, absmax: torch.Tensor, 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, m_absmax: torch.Tensor,
                v_codes: torch.Tensor, v_absmax: torch.Tensor, block: int, v_scheme: str | Scheme, *, step: float,
                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool,
-               nthreads: int | None = None, portable: bool = False, m_scheme: str | Scheme = "dyn8s") -> None:
+               nthreads: int | None = None, isa: int = -1, m_scheme: str | Scheme = "dyn8s") -> None:
     """One fused AdamW step on fp32 ``param`` / ``grad`` (contiguous, n elements) with m in ``m_scheme`` and v in
     ``v_scheme`` codes (schemes whose records name them for the "m" / "v" slot, schemes.fused_adamw_pair),
     updated in place. ``step`` is the step number after incrementing (1 on the first step). Constants are
-    computed in double and rounded to fp32 as torch's fused kernel does."""
+    computed in double and rounded to fp32 as torch's fused kernel does. ``isa`` caps the instruction set for tests
+    (-1: what the CPU has; 0: the portable C loops; 1: AVX-512F; 2: AVX-512 VBMI), all giving the same bytes."""
     import numpy as np
 
     if not fused_adamw_pair(m_scheme, v_scheme):
@@ -151,7 +152,7 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, m
         v_lut_size=tv.lut_size, maximize=int(bool(maximize)), lerp_small=int(abs(w1) < np.float32(0.5)),
         decay=1.0 - lr * weight_decay, w1=float(w1), one_minus_w1=float(np.float32(1.0) - w1), beta2=beta2,
         w2=1.0 - beta2, bc2_sqrt=math.sqrt(1.0 - beta2 ** step), eps=eps, step_size=lr / (1.0 - beta1 ** step),
-        nthreads=nthreads if nthreads is not None else default_threads(n), portable=int(bool(portable)))
+        nthreads=nthreads if nthreads is not None else default_threads(n), isa=isa)
     rc = lib().tsq_adamw_step(ctypes.byref(j))
     if rc > 0:
         raise TierstoreValueError(f"the AdamW step made m or v NaN or Inf in {rc} block(s) (their 8-bit codes are "
