@@ -152,7 +152,7 @@ def test_tier_bytes_takes_the_optimizers_count_by_kind_where_there_is_one():
 
 def test_step_profile_reports_phases_disk_and_threads(tmp_path, capsys):
     """python -m tierstore.bench.step_profile: the phases of a step, the disk's busy share in each, and the
-    CPU seconds per thread (the tiny model's I/O threads may not reach a clock tick)."""
+    CPU seconds per thread (the tiny model's I/O threads may not reach a clock tick) and their waits for a core."""
     from tierstore.bench import step_profile
     assert step_profile.main(["--case", "nvme-overlap", "--model", "linear", "--params", "3e5", "--width", "128",
                               "--batch", "4", "--steps", "2", "--sub-group", "256K", "--pinned", "4M",
@@ -160,6 +160,7 @@ def test_step_profile_reports_phases_disk_and_threads(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "seconds     forward" in out and "disk busy" in out
     assert any(line.startswith("  CPU s/step") for line in out.splitlines())  # threads with a clock tick
+    assert "waiting for a core, s/step" in out and "MainThread in backward:" in out
     assert os.listdir(tmp_path) == []  # its store is removed
     with pytest.raises(SystemExit):
         step_profile.main(["--case", "nvme9", "--dir", str(tmp_path)])

@@ -1,6 +1,8 @@
 """Where one case's training step goes, in one process: forward, backward and step times, the disk's busy
-share in each phase (/proc/diskstats of the device holding --dir), and CPU seconds per step by thread
-(/proc/self/task/*/stat: the caller's thread, torch's OpenMP team, each tierstore thread by name).
+share in each phase (/proc/diskstats of the device holding --dir), CPU seconds per step by thread
+(/proc/self/task/*/stat: the caller's thread, torch's OpenMP team, each tierstore thread by name), and the
+seconds each thread was ready to run but waited for a core (/proc/self/task/*/schedstat), per step and, for
+the caller's thread, in backward: where these are large the step is CPU-bound, not disk-bound.
 
     python -m tierstore.bench.step_profile --case nvme-overlap --model gpt --params 29.5e6
     python -m tierstore.bench.step_profile --case nvme --model linear --params 256e6
@@ -34,20 +36,27 @@ def _disk(path: str) -> tuple[int, int, int]:
     return 0, 0, 0  # not a block device (tmpfs, overlay): no busy time to report
 
 
-def _thread_cpu() -> dict[str, float]:
-    """CPU seconds so far per thread name (Python threads by name, numbered pool threads together; threads
-    Python does not know -- torch's OpenMP team -- as "native")."""
+def _thread_cpu() -> dict[str, tuple[float, float]]:
+    """(CPU seconds, seconds ready to run but waiting for a core) so far per thread name (Python threads by
+    name, numbered pool threads together; threads Python does not know -- torch's OpenMP team -- as "native").
+    The wait is 0 where the kernel keeps no schedstat."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
+    out: dict[str, tuple[float, float]] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except FileNotFoundError:  # the thread ended meanwhile
             continue
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                wait = int(f.read().split()[1]) / 1e9  # ns on the run queue
+        except (FileNotFoundError, IndexError, ValueError):
+            wait = 0.0
         name = names.get(int(tid), "native").rstrip("0123456789_")
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        c, w = out.get(name, (0.0, 0.0))
+        out[name] = (c + (int(fields[11]) + int(fields[12])) / tick, w + wait)  # utime + stime
     return out
 
 
@@ -89,15 +98,17 @@ def main(argv: list[str] | None = None) -> int:
         zopt = zero.Zero3Optimizer(model, torch.optim.AdamW, config=cfg, lr=spec["lr"], fused=True)
         opt, close, wait = zopt, zopt.close, zopt.synchronize  # [Note: a timed step ends when its I/O does] in _case.py
     rows: list[tuple[float, ...]] = []
-    cpu: dict[str, float] = {}
+    cpu: dict[str, list[float]] = {}  # name -> [CPU s, run-queue wait s], summed over the timed steps
+    main_wait = []  # the caller's run-queue wait in each timed backward
+    me = threading.current_thread().name
     try:
         for i in range(1 + a.steps):
             x, y = data[i % len(data)]
             c0, t0, d0 = _thread_cpu(), time.perf_counter(), _disk(a.dir)
             loss = loss_fn(model, x, y)
-            t1, d1 = time.perf_counter(), _disk(a.dir)
+            t1, d1, b0 = time.perf_counter(), _disk(a.dir), _thread_cpu()
             loss.backward()
-            t2, d2 = time.perf_counter(), _disk(a.dir)
+            t2, d2, b1 = time.perf_counter(), _disk(a.dir), _thread_cpu()
             opt.step()
             opt.zero_grad()
             wait()
@@ -107,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((t1 - t0, t2 - t1, t3 - t2, *((e[0] - s[0]) / 1e3 / (te - ts) for s, e, ts, te in
                                                       ((d0, d1, t0, t1), (d1, d2, t1, t2), (d2, d3, t2, t3))),
                          (d3[1] - d0[1]) / 2**30, (d3[2] - d0[2]) / 2**30))
-            for k, v in _thread_cpu().items():
-                cpu[k] = cpu.get(k, 0.0) + v - c0.get(k, 0.0)
+            main_wait.append(b1[me][1] - b0[me][1])
+            for k, (c, w) in _thread_cpu().items():
+                got = cpu.setdefault(k, [0.0, 0.0])
+                got[0] += c - c0.get(k, (0.0, 0.0))[0]
+                got[1] += w - c0.get(k, (0.0, 0.0))[1]
     finally:
         close()
         shutil.rmtree(spec["dir"], ignore_errors=True)
@@ -118,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  seconds     forward {m[0]:.3f}  backward {m[1]:.3f}  step {m[2]:.3f}  full {sum(m[:3]):.3f}")
     print(f"  disk busy   forward {m[3]:.0%}  backward {m[4]:.0%}  step {m[5]:.0%}   "
           f"(device of {a.dir}: {m[6]:.2f} GiB read, {m[7]:.2f} GiB written per step, all processes)")
-    print("  CPU s/step  " + "  ".join(f"{k} {v / a.steps:.3f}" for k, v in
-                                       sorted(cpu.items(), key=lambda kv: -kv[1]) if v > 0))
+    print("  CPU s/step  " + "  ".join(f"{k} {v[0] / a.steps:.3f}" for k, v in
+                                       sorted(cpu.items(), key=lambda kv: -kv[1][0]) if v[0] > 0))
+    print("  waiting for a core, s/step  " + "  ".join(
+        f"{k} {v[1] / a.steps:.3f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1][1]) if v[1] > 0.0005)
+        + f"   ({me} in backward: {statistics.median(main_wait):.3f})")
     return 0
 
 
