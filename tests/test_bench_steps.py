@@ -36,7 +36,8 @@ def test_bench_optim_tiny_runs_every_tierstore_case(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert r["layers"] == 9 and r["parameters"] == 9 * (128 * 128 + 128)
     assert set(r["median"]) == {"torch-fused", "host", "nvme", "nvme8", "nvme-overlap", "nvme8-overlap",
-                                "nvme-noreuse", "raw-read", "raw-write", "raw-both", "raw-both-overlap"}
+                                "nvme-noreuse", "raw-read", "raw-write", "raw-both", "raw-both-overlap",
+                                "raw-both-overlap8"}
     for c in ("torch-fused", "host", "nvme", "nvme8", "nvme-overlap", "nvme8-overlap"):
         m = r["median"][c]
         assert 0 < m["fwd_bwd"] < m["full"] and 0 < m["step"] < m["full"]
@@ -54,6 +55,9 @@ def test_bench_optim_tiny_runs_every_tierstore_case(tmp_path, capsys):
     both = r["bytes_per_step"]["nvme8-overlap"]  # 8-bit states and no gradient bytes
     assert both["disk_written_grads"] == 0 and both["disk_written_states"] < nvme["disk_written_states"] / 3
     assert r["ratios"]["nvme8-overlap speedup over nvme-overlap, full"] > 0
+    # the disk's own ratio for the same bytes, moved by the raw engine in the same rounds
+    assert r["ratios"]["raw engine: nvme-overlap's bytes over nvme8-overlap's"] > 0
+    assert r["ratios"]["nvme8-overlap full / raw read+write of its bytes at once"] > 0
     # each nvme case against the raw engine moving its own bytes
     assert r["ratios"]["nvme-overlap full / max(torch-fused full, raw read+write at once)"] > 0
     # reuse_bytes: backward reads fewer parameters, the step fewer masters, than with it off; the rest the same

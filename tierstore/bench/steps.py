@@ -39,7 +39,8 @@ LABELS = {"torch-fused": "torch AdamW(fused), in memory", "torch-foreach": "torc
           "ds-offload": "DeepSpeed ZeRO-3 ZeRO-Offload", "ds-infinity": "DeepSpeed ZeRO-3 ZeRO-Infinity",
           "raw-read": "raw engine: read the nvme step's bytes", "raw-write": "raw engine: write them",
           "raw-both": "raw engine: read + write at once",
-          "raw-both-overlap": "raw engine: nvme-overlap's bytes, read + write at once"}
+          "raw-both-overlap": "raw engine: nvme-overlap's bytes, read + write at once",
+          "raw-both-overlap8": "raw engine: nvme8-overlap's bytes, read + write at once"}
 DS_VENV = ".venv-ds"
 DS_INSTALL = (f"python3 -m venv {DS_VENV} && {DS_VENV}/bin/pip install torch==2.13.0 deepspeed==0.19.8 "
               f"(or: make {DS_VENV})")
@@ -256,14 +257,16 @@ def run(args, model: str, name: str) -> int:
         nvme_bytes = ready.get("nvme", {}).get("last", {}).get("bytes", {})
         # the overlapped step moves fewer bytes (no gradient partition touches the disk): its own reference
         ov_bytes = ready.get("nvme-overlap", {}).get("last", {}).get("bytes", {})
-        if not args.no_raw and (nvme_bytes or ov_bytes):
-            most = [max(nvme_bytes.get(k, 0), ov_bytes.get(k, 0)) for k in ("nvme_read", "nvme_written")]
+        # and with 8-bit states: the disk's own speedup for the dynamic8 target, next to the one measured
+        ov8_bytes = ready.get("nvme8-overlap", {}).get("last", {}).get("bytes", {})
+        if not args.no_raw and (nvme_bytes or ov_bytes or ov8_bytes):
+            most = [max(b.get(k, 0) for b in (nvme_bytes, ov_bytes, ov8_bytes)) for k in ("nvme_read", "nvme_written")]
             raw = RawEngine(root, most[0], most[1])
             if nvme_bytes:
                 raw_cases = {"raw-read": raw.read, "raw-write": raw.write, "raw-both": raw.both}
-            if ov_bytes:
-                raw_cases["raw-both-overlap"] = functools.partial(raw.both, ov_bytes.get("nvme_read", 0),
-                                                                  ov_bytes.get("nvme_written", 0))
+            for c, b in (("raw-both-overlap", ov_bytes), ("raw-both-overlap8", ov8_bytes)):
+                if b:
+                    raw_cases[c] = functools.partial(raw.both, b.get("nvme_read", 0), b.get("nvme_written", 0))
         samples: dict[str, list[dict]] = {c: [] for c in [*workers, *raw_cases]}
         with Progress(args.rounds * len(samples), f"bench {name}") as prog:
             for _ in range(args.rounds):
@@ -318,6 +321,8 @@ def summarize(samples: dict[str, list[dict]], final: dict[str, dict], ready: dic
     put("nvme8 speedup over nvme, full", "nvme", "nvme8")
     put("nvme-overlap speedup over nvme, full", "nvme", "nvme-overlap")
     put("nvme8-overlap speedup over nvme-overlap, full", "nvme-overlap", "nvme8-overlap")
+    put("raw engine: nvme-overlap's bytes over nvme8-overlap's", "raw-both-overlap", "raw-both-overlap8")
+    put("nvme8-overlap full / raw read+write of its bytes at once", "nvme8-overlap", "raw-both-overlap8")
     put("nvme speedup over nvme-noreuse (reuse_bytes), full", "nvme-noreuse", "nvme")
     for c, raw in (("nvme", "raw-both"), ("nvme-overlap", "raw-both-overlap")):  # the raw engine moves c's bytes
         if c in med and "torch-fused" in med and raw in med:
@@ -364,12 +369,13 @@ def print_results(name, result, args, nparams, layers, width, tokens, load0, loa
                      f"{fmt_bytes(b['host_read'])} / {fmt_bytes(b['host_written'])}" if "host_read" in b else "-",
                      f"{fmt_bytes(b['nvme_read'])} / {fmt_bytes(b['nvme_written'])}" if "nvme_read" in b else "-",
                      fmt_bytes(rss[c]) if c in rss else "-"])
-    nb, ob = by.get("nvme", {}), by.get("nvme-overlap", {})
-    for c in ("raw-read", "raw-write", "raw-both", "raw-both-overlap"):
+    nb, ob, ob8 = by.get("nvme", {}), by.get("nvme-overlap", {}), by.get("nvme8-overlap", {})
+    for c in ("raw-read", "raw-write", "raw-both", "raw-both-overlap", "raw-both-overlap8"):
         if c in med:
             moved = {"raw-read": nb.get("nvme_read", 0), "raw-write": nb.get("nvme_written", 0),
                      "raw-both": nb.get("nvme_read", 0) + nb.get("nvme_written", 0),
-                     "raw-both-overlap": ob.get("nvme_read", 0) + ob.get("nvme_written", 0)}[c]
+                     "raw-both-overlap": ob.get("nvme_read", 0) + ob.get("nvme_written", 0),
+                     "raw-both-overlap8": ob8.get("nvme_read", 0) + ob8.get("nvme_written", 0)}[c]
             rows.append([LABELS[c], "", "", f"{med[c]['full'] * 1e3:.1f}",
                          f"{moved / med[c]['full'] / 2**30:.2f} GiB/s", *([""] if tokens else []), "", "", ""])
     print_table(f"bench {name}: {nparams / 1e6:.1f}M fp32 parameters ({layers} x {width})"
