@@ -2,7 +2,8 @@
 share in each phase (/proc/diskstats of the device holding --dir), CPU seconds per step by thread
 (/proc/self/task/*/stat: the caller's thread, torch's OpenMP team, each tierstore thread by name), and the
 seconds each thread was ready to run but waited for a core (/proc/self/task/*/schedstat), per step and, for
-the caller's thread, in backward: where these are large the step is CPU-bound, not disk-bound.
+the caller's thread, in backward: large ones say the threads compete for the cores (run the case with a
+smaller --batch to see whether the compute is what they compete with).
 
     python -m tierstore.bench.step_profile --case nvme-overlap --model gpt --params 29.5e6
     python -m tierstore.bench.step_profile --case nvme --model linear --params 256e6
