@@ -265,15 +265,17 @@ def _has_avx512f() -> bool:
 
 
 @pytest.mark.skipif(not (_native.available() and _has_avx512f()), reason="needs the native kernel and AVX-512F")
-@pytest.mark.parametrize("beta1,wd,maximize", [(0.9, 1e-2, False), (0.3, 0.0, True)])
-def test_fused_step_avx512_and_portable_loops_agree(beta1, wd, maximize):
+@pytest.mark.parametrize("beta1,wd,maximize,block", [(0.9, 1e-2, False, 256), (0.3, 0.0, True, 256),
+                                                     (0.9, 1e-2, False, 200)])
+def test_fused_step_avx512_and_portable_loops_agree(beta1, wd, maximize, block):
     """[Note: AVX-512 loops] and [Note: byte-plane decode] (native/quant.c): the intrinsic loops (gathers; VBMI byte
     planes where the CPU has them) and the portable C loops give the same bytes, on wide-range values (codes in
-    every decade, zero-point cases) and a last partial block."""
+    every decade, zero-point cases) and a last partial block; block 200 also leaves each block a tail the 64-wide
+    loop does not take (3 x 64 + 8)."""
     n = 100_003
     g0 = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=g0) * 10 ** (-4 * torch.rand(n, generator=g0))
-    st = init_state(p, StatePolicy())
+    st = init_state(p, StatePolicy(block_size=block))
     for _ in range(3):
         adamw_step_8bit(p, torch.randn(n, generator=g0), st, Workspace(), lr=LR)
     grads = [torch.randn(n, generator=g0) * 10 ** (-4 * torch.rand(n, generator=g0)) for _ in range(3)]
@@ -283,7 +285,7 @@ def test_fused_step_avx512_and_portable_loops_agree(beta1, wd, maximize):
         for g in grads:
             ss["step"] += 1
             m, v = ss["exp_avg"], ss["exp_avg_sq"]
-            _native.adamw_step(pp, g, m.codes, m.absmax, v.codes, v.absmax, 256, v.scheme, step=ss["step"].item(),
+            _native.adamw_step(pp, g, m.codes, m.absmax, v.codes, v.absmax, block, v.scheme, step=ss["step"].item(),
                                lr=LR, beta1=beta1, beta2=0.999, eps=1e-8, weight_decay=wd, maximize=maximize,
                                isa=isa)
         outs.append((pp, ss))
