@@ -9,10 +9,11 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat as _stat
 import threading
 from collections.abc import Sequence
 
-from ..errors import TierstoreValueError, io_error
+from ..errors import TierstoreIOError, TierstoreValueError, io_error
 
 log = logging.getLogger("tierstore.io")
 
@@ -32,6 +33,68 @@ def _flags(mode: str) -> int:
         return _MODES[mode] | getattr(os, "O_CLOEXEC", 0)
     except KeyError:
         raise TierstoreValueError(f"mode={mode!r} is not one of {sorted(_MODES)}") from None
+
+
+def own_open(path: str | os.PathLike, flags: int, perm: int = 0o644, *, what: str = "open") -> int:
+    """``os.open`` for a file tierstore owns: never follows a final symlink, and refuses anything that is not
+    a regular file (a FIFO, a device, a directory) with an error naming the path.
+
+    [Note: tierstore's own files]
+    Everything tierstore creates or writes sits at a name it chose inside a directory the user gave it. A
+    symlink planted at such a name (a downloaded checkpoint directory, a shared scratch directory) must not
+    send tensor data, a lock or a checkpoint name to the link's target, and a FIFO or device there must not
+    block or feed an endless read: the final component is opened with O_NOFOLLOW (and O_NONBLOCK, dropped
+    once fstat says it is a regular file), and anything but a regular file is refused."""
+    p = os.fspath(path)
+    try:
+        fd = os.open(p, flags | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), perm)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise io_error(e.errno, what, p, None, None,
+                           "a symlink stands where tierstore keeps its own file; tierstore never follows "
+                           "one there: remove the link") from None
+        raise io_error(e.errno or errno.EIO, what, p, None, None) from None
+    try:
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode):
+            raise io_error(errno.EINVAL, what, p, None, None,
+                           "not a regular file (a FIFO, device or directory stands where tierstore keeps its "
+                           "own file): remove it")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_small(path: str | os.PathLike, limit: int, *, what: str = "read") -> bytes:
+    """The whole of a small regular file tierstore owns (a manifest, a checkpoint's meta.json or `latest`),
+    opened as [Note: tierstore's own files] says; a file over `limit` bytes is refused before it is read."""
+    p = os.fspath(path)
+    fd = own_open(p, os.O_RDONLY, what=what)
+    try:
+        size = os.fstat(fd).st_size  # bytes
+        if size > limit:
+            raise TierstoreIOError(errno.EFBIG, f"{what} refused: {size} bytes is more than such a file can need "
+                                   f"({limit}); it is not one of tierstore's files, or it is damaged", p, 0, size)
+        chunks = []
+        got = 0
+        while got <= limit:
+            b = os.read(fd, min(limit + 1 - got, 1 << 20))
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+        if got > limit:
+            raise TierstoreIOError(errno.EFBIG, f"{what} refused: the file grew past {limit} bytes while it was "
+                                   "read", p, 0, got)
+        return b"".join(chunks)
+    except OSError as e:
+        if isinstance(e, TierstoreIOError):
+            raise
+        raise io_error(e.errno or errno.EIO, what, p, None, None) from None
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
