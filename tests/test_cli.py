@@ -195,3 +195,15 @@ def test_bench_store_runs_small(tmp_path):
     assert {"store rows= slice", "np.memmap slice", "store whole+index lookup"} <= set(rows["samples"])
     assert rows["disk_bytes"]["store rows= slice"] < rows["bytes"] // 2
     assert not any((tmp_path / "d").iterdir())  # the benchmark cleans up its files
+
+
+def test_version_is_the_package_version(capsys):
+    import tomllib
+
+    import tierstore
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        declared = tomllib.load(f)["project"]["version"]
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tierstore {declared}" == f"tierstore {tierstore.__version__}"

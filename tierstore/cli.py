@@ -35,6 +35,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierstore", description=__doc__.splitlines()[0])
+    from . import __version__
+    parser.add_argument("--version", action="version", version=f"tierstore {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="what this machine offers: io_uring, O_DIRECT, page-lock limit, torch")
     info.add_argument("--dir", default=".", help="directory to probe for O_DIRECT (default: .)")
