@@ -38,3 +38,9 @@ def test_size_cap(tmp_path):
     assert read_small(tmp_path / "f", 100) == b"x" * 100
     with pytest.raises(TierstoreIOError, match="more than such a file can need"):
         read_small(tmp_path / "f", 99)
+
+
+def test_fifo_opened_for_writing_is_named_as_such(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(TierstoreIOError, match="not a regular file"):
+        own_open(tmp_path / "fifo", os.O_WRONLY)

@@ -35,6 +35,12 @@ def _flags(mode: str) -> int:
         raise TierstoreValueError(f"mode={mode!r} is not one of {sorted(_MODES)}") from None
 
 
+def _not_regular(what: str, path: str) -> TierstoreIOError:
+    return io_error(errno.EINVAL, what, path, None, None,
+                    "not a regular file (a FIFO, device or directory stands where tierstore keeps its own file): "
+                    "remove it")
+
+
 def own_open(path: str | os.PathLike, flags: int, perm: int = 0o644, *, what: str = "open") -> int:
     """``os.open`` for a file tierstore owns: never follows a final symlink, and refuses anything that is not
     a regular file (a FIFO, a device, a directory) with an error naming the path.
@@ -53,13 +59,17 @@ def own_open(path: str | os.PathLike, flags: int, perm: int = 0o644, *, what: st
             raise io_error(e.errno, what, p, None, None,
                            "a symlink stands where tierstore keeps its own file; tierstore never follows "
                            "one there: remove the link") from None
+        try:  # a FIFO opened for writing with no reader answers ENXIO: say what stands there instead
+            st = os.lstat(p)
+        except OSError:
+            st = None
+        if st is not None and not _stat.S_ISREG(st.st_mode) and not _stat.S_ISDIR(st.st_mode):
+            raise _not_regular(what, p) from None
         raise io_error(e.errno or errno.EIO, what, p, None, None) from None
     try:
         st = os.fstat(fd)
         if not _stat.S_ISREG(st.st_mode):
-            raise io_error(errno.EINVAL, what, p, None, None,
-                           "not a regular file (a FIFO, device or directory stands where tierstore keeps its "
-                           "own file): remove it")
+            raise _not_regular(what, p)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
