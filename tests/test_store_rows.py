@@ -127,7 +127,7 @@ def test_memory_copies_are_indexed_and_bad_rows_refused(tmp_path):
         for name, rows, match in (("scalar", [0], "0-d tensor has no rows"), ("h", [ROWS], "row 3000 is outside"),
                                   ("h", [-ROWS - 1], "outside its 3000 rows"),
                                   ("h", torch.tensor([1.0]), "integer tensor"), ("h", torch.ones(2, 2).long(), "1-D"),
-                                  ("h", "abc", "a slice, a list of ints")):
+                                  ("h", "abc", "a slice, a list of int row indices")):
             with pytest.raises(TierstoreValueError, match=match):
                 s.get(name, rows=rows)
         with pytest.raises(TierstoreValueError, match="out="):

@@ -12,7 +12,10 @@ A read of byte ranges of one extent (read_ranges; Store.get(name, rows=...)) rea
 covering them ([Note: block checksums] in extents.py) -- consecutive blocks as one request of at most
 RANGE_SPAN bytes, every request 4 KiB aligned and O_DIRECT into aligned memory, all submitted as one batch --
 checks each block's crc32c, then copies the ranges out. An extent without block crcs is read whole (and its
-whole crc32c checked), so a range read is never less verified than a full one.
+whole crc32c checked), so a range read is never less verified than a full one -- but streamed through pool
+buffers, copying out only the ranges, so its memory is what it returns whatever the extent's size. The block
+crcs computed on the way are kept on the extent once the whole crc32c matched (and go into the next manifest
+written), so the next range read of it reads only the blocks covering its ranges.
 
 [Note: fresh memory]
 get() reads into memory allocated for the result. Its pages do not exist yet: an O_DIRECT read into it
@@ -27,6 +30,7 @@ variable than small pages (docs/io.md).
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 import time
@@ -34,13 +38,13 @@ from collections import deque
 
 import torch
 
-from ...errors import CorruptionError, TierstoreValueError
+from ...errors import CorruptionError, TierstoreIOError, TierstoreValueError, io_error
 from ...io import ALIGN, Buffer, BufferPool, Engine
 from ...io.checksum import crc_at
 from ...io.pool import populate
 from ..base import TierStats, profile_range
 from ..host import aligned_empty
-from .extents import CRC_BLOCK, EXTENT_FILE, Extent, ExtentSpace, align_up
+from .extents import CRC_BLOCK, EXTENT_FILE, BlockCrcs, Extent, ExtentSpace, align_up
 from .files import ExtentFiles
 from .writes import ExtentWriter
 
@@ -133,9 +137,13 @@ def block_corruption(files: ExtentFiles, e: Extent, k: int, got: int, what: str)
 
 def truncation(files: ExtentFiles, e: Extent, what: str) -> CorruptionError | None:
     """A CorruptionError when extent `e` reaches past the end of a part of its extent file (a read of it
-    comes back short), else None."""
+    comes back short), else None -- also when a part's size cannot be had (a filesystem shut down after an
+    error answers fstat with EIO too): the read's own error then stands ([Note: read errors])."""
     for part, phys, _within, length in files.list[e.file].map(e.offset, e.alloc):
-        size = os.fstat(part.fd).st_size  # bytes
+        try:
+            size = os.fstat(part.fd).st_size  # bytes
+        except OSError:
+            return None
         if size < phys + length:
             return CorruptionError(
                 f"{what}: the extent file {part.path} ends at byte {size}, inside this tensor's {e.length} "
@@ -143,6 +151,26 @@ def truncation(files: ExtentFiles, e: Extent, what: str) -> CorruptionError | No
                 "truncated outside tierstore; restore it from a backup, or delete the tensor",
                 part.path, e.offset, e.length)
     return None
+
+
+def read_error(files: ExtentFiles, e: Extent, what: str, exc: BaseException) -> BaseException:
+    """What a failed read of extent `e` (`exc`) raises.
+
+    [Note: read errors]
+    Every way out of a failed read of the persistent tier is a TierstoreIOError naming the file, the offset
+    and the length: the CorruptionError of a truncated extent file when that is the cause, else the read's
+    own error -- one the engine raised already is one; a plain OSError (from anything the read path calls)
+    is made one, naming the extent. Looking for the cause never raises in its place: a filesystem that
+    answered the read with EIO may answer fstat with EIO as well. Errors that are not I/O errors (a closed
+    store's MisuseError) pass as they are."""
+    cut = truncation(files, e, what)
+    if cut is not None:
+        return cut
+    if isinstance(exc, OSError) and not isinstance(exc, TierstoreIOError):
+        paths = ", ".join(files.paths(e.file, e.offset, e.length))
+        return io_error(exc.errno or errno.EIO, f"{what}: reading {e.length} bytes at offset {e.offset} of "
+                        f"extent file {EXTENT_FILE.format(e.file)} ({paths})", paths, e.offset, e.length)
+    return exc
 
 
 def check_readable(files: ExtentFiles, e: Extent, what: str) -> None:
@@ -224,14 +252,9 @@ class ExtentReader:
         moved = 0
         try:
             self.writer.wait_written(e)
-            if e.blocks is None:  # one crc32c for the whole payload: read it whole
-                whole = aligned_empty(e.length, lock=False)
-                err = self.read_many([(e, whole, what)])[0]
-                if err is not None:
-                    raise err
-                for a, n, d in ranges:
-                    ctypes.memmove(out.data_ptr() + d, whole.data_ptr() + a, n)
-                return e.length  # counted in the stats by read_many
+            if e.blocks is None:  # one crc32c for the whole payload: stream it whole
+                moved = self._stream_ranges(e, ranges, out, what)
+                return moved
             need = sorted({k for a, n, _d in ranges for k in range(a // CRC_BLOCK, (a + n - 1) // CRC_BLOCK + 1)})
             # the needed blocks back to back in one aligned buffer (only the extent's last block is short, and
             # it is last here too); consecutive blocks are one request of at most RANGE_SPAN bytes
@@ -248,11 +271,10 @@ class ExtentReader:
                 reqs.append((buf[start:end], e.offset + first * CRC_BLOCK))
                 first = prev = k  # type: ignore[assignment]  # None only past the end
             moved = size
-            io = self.engine.read_many(self.files.list[e.file], reqs)
             try:
-                io.result()
+                self.engine.read_many(self.files.list[e.file], reqs).result()
             except BaseException as exc:
-                raise truncation(self.files, e, what) or exc from None
+                raise read_error(self.files, e, what, exc) from None
             base = buf.data_ptr()
             for k in need:
                 got = crc_at(base + pos[k], min(CRC_BLOCK, e.length - k * CRC_BLOCK))
@@ -265,6 +287,62 @@ class ExtentReader:
         finally:
             self.space.end_read(e)
             self.stats.add("out", moved, time.perf_counter() - t0)
+
+    def _stream_ranges(self, e: Extent, ranges: list[tuple[int, int, int]], out: torch.Tensor, what: str) -> int:
+        """read_ranges of an extent without block crcs ([Note: range reads]): all of it read through pool
+        buffers, chunk by chunk in order, its crc32c (and block crcs) folded in, the ranges copied out of
+        each chunk; no memory but the pool's. Returns the bytes read."""
+        bb = self.pool.buffer_bytes  # bytes per chunk
+        sf = self.files.list[e.file]
+        acc = BlockCrcs()
+        todo = sorted(ranges)  # by start: a chunk copies from the ranges from todo[first] on
+        first = 0
+        dst = out.data_ptr()
+        window: deque = deque()  # (start, bytes, pool buffer, io future), oldest first
+
+        def finish_oldest() -> None:
+            nonlocal first
+            a, take, buf, io = window.popleft()
+            try:
+                try:
+                    io.result()
+                except BaseException as exc:
+                    raise read_error(self.files, e, what, exc) from None
+                acc.feed(buf.addr, take)
+                end = a + take
+                while first < len(todo) and todo[first][0] + todo[first][1] <= a:
+                    first += 1
+                for k in range(first, len(todo)):
+                    start, n, d = todo[k]
+                    if start >= end:
+                        break
+                    lo, hi = max(start, a), min(start + n, end)
+                    if lo < hi:
+                        ctypes.memmove(dst + d + (lo - start), buf.addr + (lo - a), hi - lo)
+            finally:
+                buf.release()
+        try:
+            for a in range(0, e.length, bb):
+                buf = self._lease_or_finish(window, finish_oldest)
+                try:
+                    io = self.engine.read(sf, buf.tensor(torch.uint8, min(bb, e.alloc - a)), e.offset + a)
+                except BaseException as exc:
+                    buf.release()
+                    raise read_error(self.files, e, what, exc) from None
+                window.append((a, min(bb, e.length - a), buf, io))
+            while window:
+                finish_oldest()
+        finally:
+            while window:
+                _a, _t, buf, io = window.popleft()
+                io.exception()  # wait: the kernel may still write into the buffer
+                buf.release()
+        crc, blocks = acc.finish()
+        if crc != e.crc:
+            raise corruption(self.files, e, crc, what)
+        if blocks is not None and e.blocks is None:
+            e.blocks = blocks  # verified by the whole crc32c: later range reads read only their blocks
+        return e.length
 
     def _lease_or_finish(self, window: deque, finish) -> Buffer:
         """A pool buffer; while none is free, finish the oldest read of `window` (freeing its buffer)."""
@@ -290,7 +368,7 @@ class ExtentReader:
                 try:
                     io.result()
                 except BaseException as exc:
-                    errors[i] = errors[i] or truncation(self.files, e, what) or exc
+                    errors[i] = errors[i] or read_error(self.files, e, what, exc)
                     return
                 if errors[i] is not None:
                     return
@@ -329,7 +407,7 @@ class ExtentReader:
                     except BaseException as exc:
                         if buf is not None:
                             buf.release()
-                        errors[i] = errors[i] or exc
+                        errors[i] = errors[i] or read_error(self.files, e, what, exc)
                         break
                     window.append((i, a, take, buf, io))
             while window:
@@ -359,7 +437,7 @@ class ExtentReader:
                         if cut is None and len(run) > 1:
                             alone.append(i)
                         else:
-                            errors[i] = cut or exc
+                            errors[i] = cut or read_error(self.files, e, what, exc)
                     return
                 for i in run:
                     e, out, what = items[i]
@@ -381,7 +459,7 @@ class ExtentReader:
                 except BaseException as exc:
                     buf.release()
                     for i in run:
-                        errors[i] = exc
+                        errors[i] = read_error(self.files, items[i][0], items[i][2], exc)
                     continue
                 window.append((run, first.offset, buf, io))
             while window:
