@@ -22,7 +22,8 @@ import numpy
 import torch
 
 from ..errors import TierFullError
-from ..io.pool import advise_huge_pages, physical_memory
+from ..io import pool as io_pool
+from ..io.pool import advise_huge_pages
 from .base import Budget, TierStats, profile_range
 
 log = logging.getLogger("tierstore.tiers")
@@ -93,7 +94,7 @@ def check_result_fits(nbytes: int, what: str) -> None:
     refused anyway (the kernel's overcommit check, a `ulimit -v`) raises the same error, naming both too,
     never a bare OSError(ENOMEM). Either tells how to read it instead: in pieces, or into the caller's own
     memory. A range read allocates only the rows it returns ([Note: range reads] in tiers/nvme/reads.py)."""
-    memory = physical_memory()
+    memory = io_pool.physical_memory()
     if memory is not None and nbytes > memory:
         raise TierFullError(f"{what}: it is {nbytes} bytes, more than this machine's memory ({memory} bytes), "
                             f"so it cannot be returned as one tensor; read it {_IN_PIECES}")
