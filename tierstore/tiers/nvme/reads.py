@@ -14,8 +14,8 @@ RANGE_SPAN bytes, every request 4 KiB aligned and O_DIRECT into aligned memory, 
 checks each block's crc32c, then copies the ranges out. An extent without block crcs is read whole (and its
 whole crc32c checked), so a range read is never less verified than a full one -- but streamed through pool
 buffers, copying out only the ranges, so its memory is what it returns whatever the extent's size. The block
-crcs computed on the way are kept on the extent once the whole crc32c matched (and go into the next manifest
-written), so the next range read of it reads only the blocks covering its ranges.
+crcs computed on the way are kept on the extent once the whole crc32c matched, so the later range reads of it
+read only the blocks covering their ranges.
 
 [Note: fresh memory]
 get() reads into memory allocated for the result. Its pages do not exist yet: an O_DIRECT read into it
