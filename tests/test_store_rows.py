@@ -224,3 +224,25 @@ def test_a_streamed_range_read_still_checks_the_whole_crc(store, tmp_path):
     with pytest.raises(CorruptionError, match="checksum mismatch"):
         store.get("emb", rows=[1, 2])
     assert e.blocks is None  # nothing learnt from bytes that did not verify
+
+
+def test_a_range_read_takes_its_blocks_a_bounded_group_at_a_time(store, monkeypatch):
+    """The blocks covering the rows are read, verified and copied out at most RANGE_SCRATCH bytes at a time
+    (here two blocks): a read of rows covering every block takes no memory for all of them at once, and a
+    range crossing from one group into the next is copied whole."""
+    import tierstore.tiers.nvme.reads as reads
+    from tests.support.memory import peak_growth
+
+    monkeypatch.setattr(reads, "RANGE_SCRATCH", 2 * CRC_BLOCK, raising=False)
+    for rows in (slice(100, 2900), [0, 300, 700, 1019, 1020, 1500, 2999, 5], list(range(0, ROWS, 255)),
+                 slice(250, 770)):
+        b0 = bytes_read(store)
+        assert torch.equal(store.get("emb", rows=rows), table()[rows])
+        blocks = {k for r in (range(ROWS)[rows] if isinstance(rows, slice) else rows)
+                  for k in range(r * COLS * 4 // CRC_BLOCK, ((r + 1) * COLS * 4 - 1) // CRC_BLOCK + 1)}
+        e = ext_of(store, "emb")
+        assert bytes_read(store) - b0 == sum(min(CRC_BLOCK, e.alloc - k * CRC_BLOCK) for k in blocks)
+    e = ext_of(store, "emb")
+    store.get("emb", rows=list(range(0, ROWS, 255)))  # warm: the result's and the scratch's sizes
+    grew, _ = peak_growth(lambda: store.get("emb", rows=list(range(0, ROWS, 255))))
+    assert grew < e.length // 2, f"a read of 12 rows, one per block, raised peak RSS by {grew} bytes"

@@ -10,10 +10,11 @@ chunks after it. Each chunk's crc32c is folded in as it completes, in order.
 [Note: range reads]
 A read of byte ranges of one extent (read_ranges; Store.get(name, rows=...)) reads the CRC_BLOCK blocks
 covering them ([Note: block checksums] in extents.py) -- consecutive blocks as one request of at most
-RANGE_SPAN bytes, every request 4 KiB aligned and O_DIRECT into aligned memory, all submitted as one batch --
-checks each block's crc32c, then copies the ranges out. An extent without block crcs is read whole (and its
-whole crc32c checked), so a range read is never less verified than a full one -- but streamed through pool
-buffers, copying out only the ranges, so its memory is what it returns whatever the extent's size. The block
+RANGE_SPAN bytes, every request 4 KiB aligned and O_DIRECT into aligned memory, RANGE_SCRATCH bytes of blocks
+submitted as one batch at a time -- checks each block's crc32c, then copies the ranges out. So its memory is
+the result and at most RANGE_SCRATCH more, however many blocks the rows fall in. An extent without block crcs
+is read whole (and its whole crc32c checked), so a range read is never less verified than a full one -- but
+streamed through pool buffers, copying out only the ranges, so its memory is the result alone. The block
 crcs computed on the way are kept on the extent once the whole crc32c matched, so the later range reads of it
 read only the blocks covering their ranges.
 
@@ -50,6 +51,7 @@ from .writes import ExtentWriter
 
 RUN_GAP = 64 << 10  # bytes: the largest hole between two small extents read in one request
 RANGE_SPAN = 16 * CRC_BLOCK  # bytes: the largest request of a range read (consecutive blocks)
+RANGE_SCRATCH = 64 << 20  # bytes: the most memory a range read takes besides its result
 PREFAULT_MIN = 16 << 20  # bytes read straight into memory from which the memory is faulted in ahead
 
 
@@ -255,38 +257,51 @@ class ExtentReader:
             if e.blocks is None:  # one crc32c for the whole payload: stream it whole
                 moved = self._stream_ranges(e, ranges, out, what)
                 return moved
-            need = sorted({k for a, n, _d in ranges for k in range(a // CRC_BLOCK, (a + n - 1) // CRC_BLOCK + 1)})
-            # the needed blocks back to back in one aligned buffer (only the extent's last block is short, and
-            # it is last here too); consecutive blocks are one request of at most RANGE_SPAN bytes
-            pos = {k: i * CRC_BLOCK for i, k in enumerate(need)}
-            size = (len(need) - 1) * CRC_BLOCK + align_up(min(CRC_BLOCK, e.length - need[-1] * CRC_BLOCK))
-            buf = _aligned(size)
-            reqs: list[tuple[torch.Tensor, int]] = []
-            first = prev = need[0]
-            for k in need[1:] + [None]:
-                if k is not None and k == prev + 1 and (k - first + 1) * CRC_BLOCK <= RANGE_SPAN:
-                    prev = k
-                    continue
-                start, end = pos[first], pos[prev] + align_up(min(CRC_BLOCK, e.length - prev * CRC_BLOCK))
-                reqs.append((buf[start:end], e.offset + first * CRC_BLOCK))
-                first = prev = k  # type: ignore[assignment]  # None only past the end
-            moved = size
-            try:
-                self.engine.read_many(self.files.list[e.file], reqs).result()
-            except BaseException as exc:
-                raise read_error(self.files, e, what, exc) from None
-            base = buf.data_ptr()
-            for k in need:
-                got = crc_at(base + pos[k], min(CRC_BLOCK, e.length - k * CRC_BLOCK))
-                if got != e.blocks[k]:
-                    raise block_corruption(self.files, e, k, got, what)
-            dst = out.data_ptr()
-            for a, n, d in ranges:  # consecutive blocks are contiguous in buf: one copy per range
-                ctypes.memmove(dst + d, base + pos[a // CRC_BLOCK] + a % CRC_BLOCK, n)
+            moved = self._read_blocks(e, ranges, out, what)
             return moved
         finally:
             self.space.end_read(e)
             self.stats.add("out", moved, time.perf_counter() - t0)
+
+    def _read_blocks(self, e: Extent, ranges: list[tuple[int, int, int]], out: torch.Tensor, what: str) -> int:
+        """read_ranges of an extent with block crcs: the blocks covering `ranges`, at most RANGE_SCRATCH bytes
+        of them at a time, each group read as one batch, verified, and copied out. Returns the bytes read."""
+        need = sorted({k for a, n, _d in ranges for k in range(a // CRC_BLOCK, (a + n - 1) // CRC_BLOCK + 1)})
+        per = RANGE_SCRATCH // CRC_BLOCK  # blocks per group
+        buf = _aligned(min(len(need), per) * CRC_BLOCK)
+        base, dst, moved = buf.data_ptr(), out.data_ptr(), 0
+
+        def end_of(k: int) -> int:  # bytes of block k as read: only the extent's last block is short
+            return align_up(min(CRC_BLOCK, e.length - k * CRC_BLOCK))
+        for g in range(0, len(need), per):
+            group = need[g:g + per]
+            # the group's blocks back to back in buf (the extent's last block, if here, is last here too);
+            # consecutive blocks are one request of at most RANGE_SPAN bytes
+            pos = {k: i * CRC_BLOCK for i, k in enumerate(group)}
+            reqs: list[tuple[torch.Tensor, int]] = []
+            first = prev = group[0]
+            for k in group[1:] + [None]:
+                if k is not None and k == prev + 1 and (k - first + 1) * CRC_BLOCK <= RANGE_SPAN:
+                    prev = k
+                    continue
+                reqs.append((buf[pos[first]:pos[prev] + end_of(prev)], e.offset + first * CRC_BLOCK))
+                first = prev = k  # type: ignore[assignment]  # None only past the end
+            try:
+                self.engine.read_many(self.files.list[e.file], reqs).result()
+            except BaseException as exc:
+                raise read_error(self.files, e, what, exc) from None
+            moved += pos[group[-1]] + end_of(group[-1])
+            for k in group:
+                got = crc_at(base + pos[k], min(CRC_BLOCK, e.length - k * CRC_BLOCK))
+                if got != e.blocks[k]:  # type: ignore[index]  # an extent with block crcs
+                    raise block_corruption(self.files, e, k, got, what)
+            lo_k, hi_k = group[0], group[-1]
+            for a, n, d in ranges:  # a range's blocks inside the group are consecutive in buf: one copy
+                lo, hi = max(a, lo_k * CRC_BLOCK), min(a + n, (hi_k + 1) * CRC_BLOCK)
+                if lo < hi:
+                    k = lo // CRC_BLOCK
+                    ctypes.memmove(dst + d + (lo - a), base + pos[k] + lo % CRC_BLOCK, hi - lo)
+        return moved
 
     def _stream_ranges(self, e: Extent, ranges: list[tuple[int, int, int]], out: torch.Tensor, what: str) -> int:
         """read_ranges of an extent without block crcs ([Note: range reads]): all of it read through pool
