@@ -8,15 +8,15 @@ is 4 KiB aligned, else through pool buffers with the copy of chunk k overlapping
 chunks after it. Each chunk's crc32c is folded in as it completes, in order.
 
 [Note: range reads]
-A read of byte ranges of one extent (read_ranges; Store.get(name, rows=...)) reads the CRC_BLOCK blocks
-covering them ([Note: block checksums] in extents.py) -- consecutive blocks as one request of at most
-RANGE_SPAN bytes, every request 4 KiB aligned and O_DIRECT into aligned memory, RANGE_SCRATCH bytes of blocks
-submitted as one batch at a time -- checks each block's crc32c, then copies the ranges out. So its memory is
-the result and at most RANGE_SCRATCH more, however many blocks the rows fall in. An extent without block crcs
-is read whole (and its whole crc32c checked), so a range read is never less verified than a full one -- but
-streamed through pool buffers, copying out only the ranges, so its memory is the result alone. The block
-crcs computed on the way are kept on the extent once the whole crc32c matched, so the later range reads of it
-read only the blocks covering their ranges.
+A read of byte ranges of one extent (read_ranges; Store.get(name, rows=...)) reads the CRC_BLOCK blocks covering
+them ([Note: block checksums] in extents.py) -- consecutive blocks as one request of at most RANGE_SPAN bytes,
+every request 4 KiB aligned and O_DIRECT into aligned memory, half of RANGE_SCRATCH bytes of blocks submitted as
+one batch while the batch before is checked -- checks each block's crc32c, then copies the ranges out. So its
+memory is the result and at most RANGE_SCRATCH more, however many blocks the rows fall in. An extent without block
+crcs is read whole (and its whole crc32c checked), so a range read is never less verified than a full one -- but
+streamed through pool buffers, copying out only the ranges, so its memory is the result alone. The block crcs
+computed on the way are kept on the extent once the whole crc32c matched, so the later range reads of it read only
+the blocks covering their ranges.
 
 [Note: fresh memory]
 get() reads into memory allocated for the result. Its pages do not exist yet: an O_DIRECT read into it
@@ -264,18 +264,22 @@ class ExtentReader:
             self.stats.add("out", moved, time.perf_counter() - t0)
 
     def _read_blocks(self, e: Extent, ranges: list[tuple[int, int, int]], out: torch.Tensor, what: str) -> int:
-        """read_ranges of an extent with block crcs: the blocks covering `ranges`, at most RANGE_SCRATCH bytes
-        of them at a time, each group read as one batch, verified, and copied out. Returns the bytes read."""
+        """read_ranges of an extent with block crcs: the blocks covering `ranges` in groups of half of
+        RANGE_SCRATCH bytes, each read as one batch into one of two buffers while the group before is verified
+        and copied out. Returns the bytes read."""
         need = sorted({k for a, n, _d in ranges for k in range(a // CRC_BLOCK, (a + n - 1) // CRC_BLOCK + 1)})
-        per = RANGE_SCRATCH // CRC_BLOCK  # blocks per group
-        buf = _aligned(min(len(need), per) * CRC_BLOCK)
-        base, dst, moved = buf.data_ptr(), out.data_ptr(), 0
+        per = max(1, RANGE_SCRATCH // CRC_BLOCK // 2)  # blocks per group
+        groups = [need[g:g + per] for g in range(0, len(need), per)]
+        bufs = [_aligned(len(groups[0]) * CRC_BLOCK) for _ in groups[:2]]
+        dst, moved = out.data_ptr(), 0
 
         def end_of(k: int) -> int:  # bytes of block k as read: only the extent's last block is short
             return align_up(min(CRC_BLOCK, e.length - k * CRC_BLOCK))
-        for g in range(0, len(need), per):
-            group = need[g:g + per]
-            # the group's blocks back to back in buf (the extent's last block, if here, is last here too);
+
+        def submit(gi: int):
+            """Start reading group gi into its buffer: (its blocks' places in the buffer, the batch's future)."""
+            group, buf = groups[gi], bufs[gi % 2]
+            # the group's blocks back to back (the extent's last block, if here, is last here too);
             # consecutive blocks are one request of at most RANGE_SPAN bytes
             pos = {k: i * CRC_BLOCK for i, k in enumerate(group)}
             reqs: list[tuple[torch.Tensor, int]] = []
@@ -287,20 +291,36 @@ class ExtentReader:
                 reqs.append((buf[pos[first]:pos[prev] + end_of(prev)], e.offset + first * CRC_BLOCK))
                 first = prev = k  # type: ignore[assignment]  # None only past the end
             try:
-                self.engine.read_many(self.files.list[e.file], reqs).result()
+                return pos, self.engine.read_many(self.files.list[e.file], reqs)
             except BaseException as exc:
                 raise read_error(self.files, e, what, exc) from None
-            moved += pos[group[-1]] + end_of(group[-1])
-            for k in group:
-                got = crc_at(base + pos[k], min(CRC_BLOCK, e.length - k * CRC_BLOCK))
-                if got != e.blocks[k]:  # type: ignore[index]  # an extent with block crcs
-                    raise block_corruption(self.files, e, k, got, what)
-            lo_k, hi_k = group[0], group[-1]
-            for a, n, d in ranges:  # a range's blocks inside the group are consecutive in buf: one copy
-                lo, hi = max(a, lo_k * CRC_BLOCK), min(a + n, (hi_k + 1) * CRC_BLOCK)
-                if lo < hi:
-                    k = lo // CRC_BLOCK
-                    ctypes.memmove(dst + d + (lo - a), base + pos[k] + lo % CRC_BLOCK, hi - lo)
+        pending = [submit(0)]
+        try:
+            for gi, group in enumerate(groups):
+                pos, io = pending[0]
+                if gi + 1 < len(groups):
+                    pending.append(submit(gi + 1))  # into the other buffer, while this group is checked
+                try:
+                    io.result()
+                except BaseException as exc:
+                    raise read_error(self.files, e, what, exc) from None
+                finally:
+                    pending.pop(0)
+                moved += pos[group[-1]] + end_of(group[-1])
+                base = bufs[gi % 2].data_ptr()
+                for k in group:
+                    got = crc_at(base + pos[k], min(CRC_BLOCK, e.length - k * CRC_BLOCK))
+                    if got != e.blocks[k]:  # type: ignore[index]  # an extent with block crcs
+                        raise block_corruption(self.files, e, k, got, what)
+                lo_k, hi_k = group[0], group[-1]
+                for a, n, d in ranges:  # a range's blocks inside the group are consecutive in buf: one copy
+                    lo, hi = max(a, lo_k * CRC_BLOCK), min(a + n, (hi_k + 1) * CRC_BLOCK)
+                    if lo < hi:
+                        k = lo // CRC_BLOCK
+                        ctypes.memmove(dst + d + (lo - a), base + pos[k] + lo % CRC_BLOCK, hi - lo)
+        finally:
+            for _pos, io in pending:
+                io.exception()  # wait: the kernel may still write into the buffer
         return moved
 
     def _stream_ranges(self, e: Extent, ranges: list[tuple[int, int, int]], out: torch.Tensor, what: str) -> int:
