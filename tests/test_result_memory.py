@@ -1,13 +1,16 @@
 """Recycled result memory (tierstore/tiers/host.py ResultPool, [Note: result memory]): a mapping goes back to
 the pool only when nothing refers to its memory any more, is handed out again already faulted in, and at most
-idle_limit bytes of it stay idle."""
+idle_limit bytes of it stay idle; a result larger than memory is refused before it is allocated ([Note: memory
+for a result])."""
 from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from tierstore import Store
+from tierstore.errors import TierFullError, TierstoreError
 from tierstore.io import ALIGN
 from tierstore.tiers.host import RESULT_ALIGNED_MIN, RESULTS, ResultPool, result_empty
 
@@ -113,3 +116,67 @@ def test_store_get_reads_large_tensors_into_recycled_memory(tmp_path):
         rows = st.get("big", rows=slice(1, 3 * MIB // 4 + 1))  # a range read, into result memory too
         assert torch.equal(rows, big[1:3 * MIB // 4 + 1])
     assert result_empty(100).numel() == 100
+
+
+# -- [Note: memory for a result] ----------------------------------------------------------------------------
+
+def test_a_read_larger_than_memory_is_refused_before_anything_is_allocated(tmp_path, monkeypatch):
+    import numcodecs
+
+    import tierstore.io.pool as io_pool
+
+    big = torch.ones(2048, 1024)  # 8 MiB
+    with Store(tmp_path / "s", host_budget=0, lock_memory=False) as s:
+        s.put("big", big, tier="nvme")
+        s.put("packed", big, tier="nvme", codec=numcodecs.Zlib())  # a few KB on disk, 8 MiB decoded
+        s.flush()
+        monkeypatch.setattr(io_pool, "physical_memory", lambda: 4 * MIB)
+        mapped, read = RESULTS.mapped, s.stats()["nvme"]["bytes_out"]
+        for call in (lambda: s.get("big"), lambda: s.get_many(["big"]), lambda: s.get("packed"),
+                     lambda: s.get("big", rows=slice(0, 1500)), lambda: s.get("big", rows=list(range(1100)))):
+            with pytest.raises(TierFullError) as ei:
+                call()
+            msg = str(ei.value)
+            assert isinstance(ei.value, MemoryError) and isinstance(ei.value, TierstoreError)
+            assert "tensor 'big'" in msg or "tensor 'packed'" in msg
+            assert str(8 * MIB) in msg or str(1500 * 4096) in msg or str(1100 * 4096) in msg
+            assert "rows=slice(start, stop)" in msg and str(4 * MIB) in msg
+        assert RESULTS.mapped == mapped and s.stats()["nvme"]["bytes_out"] == read  # nothing allocated or read
+        assert torch.equal(s.get("big", rows=slice(0, 10)), big[:10])
+        out = torch.empty_like(big)
+        assert s.get("big", out=out) is out and torch.equal(out, big)  # the caller's memory: no allocation
+
+
+_UNDER_A_LIMIT = """
+import resource, sys
+from tierstore import Store
+from tierstore.errors import TierFullError
+s = Store.open(sys.argv[1], host_budget=0, lock_memory=False)
+s.get("small")  # the read path's threads and buffers exist before the limit
+vm = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmSize")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (24 << 20), resource.RLIM_INFINITY))
+try:
+    s.get("big")
+except TierFullError as e:
+    print("REFUSED", e, flush=True)
+else:
+    print("READ", flush=True)
+"""
+
+
+def test_an_allocation_the_kernel_refuses_names_the_tensor_and_its_size(tmp_path):
+    """Under an address-space limit (ulimit -v) the result's mapping fails with ENOMEM: the error is
+    tierstore's MemoryError naming the tensor and its size, not a bare OSError."""
+    import os
+    import subprocess
+    import sys
+
+    with Store(tmp_path / "s", host_budget=0, lock_memory=False) as s:
+        s.put("big", torch.ones(16 * MIB), tier="nvme")  # 64 MiB
+        s.put("small", torch.ones(300_000), tier="nvme")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run([sys.executable, "-c", _UNDER_A_LIMIT, str(tmp_path / "s")], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.stdout.startswith("REFUSED"), r.stdout + r.stderr
+    assert "tensor 'big'" in r.stdout and str(64 * MIB) in r.stdout and "ulimit -v" in r.stdout

@@ -379,3 +379,30 @@ def test_a_closed_store_refuses_to_list(tmp_path, op):
     with pytest.raises(MisuseError, match="closed.*Store.open"):
         fn()
     assert isinstance(MisuseError("x"), TierstoreError)
+
+
+def test_export_zarr_refuses_a_file_and_a_foreign_directory_before_writing(tmp_path):
+    """export_zarr writes a new group at `path`, deleting what a directory there held: an existing file, a
+    path under a file, or a directory holding other things is refused naming the path, and left as it
+    was; a new path, an empty directory or an earlier zarr group is written."""
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "a.jpg").write_text("jpeg")
+    with small_store(tmp_path / "s") as s:
+        s.put("w", torch.ones(4), tier="nvme")
+        for path, match in ((f, "an existing file"), (f / "sub", "is a file, so nothing can be made under it"),
+                            (other, "holds other files and is no zarr group"), (None, "not a path"),
+                            (b"/tmp/x", "a path is a str"), ("a\0b", "NUL")):
+            with pytest.raises(TierstoreValueError, match=match) as ei:
+                s.export_zarr(path)
+            assert "export_zarr(path=" in str(ei.value) and "pass the path of a new or empty directory" in str(ei.value)
+        assert f.read_text() == "mine" and os.listdir(other) == ["a.jpg"]
+        s.export_zarr(tmp_path / "new" / "w.zarr")
+        s.export_zarr(tmp_path / "new" / "w.zarr")  # an earlier group: replaced
+        (tmp_path / "empty").mkdir()
+        s.export_zarr(tmp_path / "empty")
+    for group in (tmp_path / "new" / "w.zarr", tmp_path / "empty"):
+        with Store.import_zarr(group, tmp_path / f"back-{group.name}") as back:
+            assert torch.equal(back.get("w"), torch.ones(4))

@@ -4,6 +4,7 @@ value, verified at block granularity, persisted across a reopen; memory copies i
 from __future__ import annotations
 
 import crc32c
+import numpy
 import pytest
 import torch
 
@@ -127,10 +128,121 @@ def test_memory_copies_are_indexed_and_bad_rows_refused(tmp_path):
         for name, rows, match in (("scalar", [0], "0-d tensor has no rows"), ("h", [ROWS], "row 3000 is outside"),
                                   ("h", [-ROWS - 1], "outside its 3000 rows"),
                                   ("h", torch.tensor([1.0]), "integer tensor"), ("h", torch.ones(2, 2).long(), "1-D"),
-                                  ("h", "abc", "a slice, a list of ints")):
+                                  ("h", "abc", "a slice, a list of int row indices")):
             with pytest.raises(TierstoreValueError, match=match):
                 s.get(name, rows=rows)
         with pytest.raises(TierstoreValueError, match="out="):
             s.get("h", rows=[1], out=torch.empty(1, COLS))
         with pytest.raises(KeyError):
             s.get("missing", rows=[1])
+
+
+# -- what rows accepts ([Note: what rows accepts] in tierstore/rows.py) ------------------------------------
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_a_bool_mask_selects_the_rows_where_it_is_true(tmp_path, tier):
+    small = table()[:6]
+    with Store(tmp_path / "s", host_budget=0 if tier == "nvme" else 64 << 20) as s:
+        s.put("t", small, tier=tier)
+        s.flush()
+        mask = [True, False, False, True, True, False]
+        for rows in (mask, torch.tensor(mask), numpy.array(mask), [numpy.bool_(m) for m in mask]):
+            assert torch.equal(s.get("t", rows=rows), small[torch.tensor(mask)])
+        assert s.get("t", rows=[False] * 6).shape == (0, COLS)
+        assert torch.equal(s.get("t", rows=numpy.array([5, 0], dtype=numpy.int32)), small[[5, 0]])
+        assert torch.equal(s.get("t", rows=[numpy.int64(2), torch.tensor(4)]), small[[2, 4]])
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("rows, match", [
+    ([True, False], "a mask of 2 bools for a tensor of 6 rows"),  # torch would read rows 1 and 0
+    (torch.tensor([True, False]), "a mask of 2 bools"),
+    ([0.5], r"got 0\.5 \(float\)"),  # torch would read row 0
+    ([1, 2.0], r"got 2\.0 \(float\)"),
+    (numpy.array([0.5]), "numpy array of float64"),
+    ([1, True], "mixing bools and ints"),
+    ([None], "got None"),
+    ([[1]], r"got \[1\] \(list\)"),
+    (3, r"for the one row 3, pass \[3\]"),
+    (torch.tensor(3), "not 1-D"),
+    ({1, 2}, r"\(set\)"),
+    (slice(0.5, 2), "not one of ints"),
+    (slice(0, 4, 0), "non-zero step"),
+    ([2 ** 70], "is outside its 6 rows"),
+    (range(0, 10), "is outside its 6 rows"),
+])
+def test_what_is_no_row_is_refused_naming_rows(tmp_path, tier, rows, match):
+    with Store(tmp_path / "s", host_budget=0 if tier == "nvme" else 64 << 20) as s:
+        s.put("t", table()[:6], tier=tier)
+        s.flush()
+        with pytest.raises(TierstoreValueError, match=match) as ei:
+            s.get("t", rows=rows)
+        assert "rows= of 't'" in str(ei.value)
+        assert "outside" in str(ei.value) or "pass a slice, a list of int row indices" in str(ei.value)
+
+
+# -- range reads of an extent without block crcs ([Note: range reads]) -------------------------------------
+
+def test_a_range_read_without_block_crcs_allocates_only_its_rows(tmp_path):
+    """A manifest written before block crcs: the extent is streamed through the pool and checked whole, but
+    only the rows returned are allocated; the block crcs found on the way serve the next range read."""
+    from tests.support.memory import peak_growth
+
+    rows, cols = 8192, 1024  # 32 MiB of 4 KiB rows
+    big = torch.arange(rows * cols, dtype=torch.float32).view(rows, cols)
+    with Store(tmp_path / "s", host_budget=0, pinned_budget=4 << 20, buffer_bytes=1 << 20) as s:
+        s.put("big", big, tier="nvme")
+        s.flush()
+        e = ext_of(s, "big")
+        written_blocks, e.blocks = e.blocks, None
+        assert written_blocks is not None
+        want = big[[5, 6, 7, 4000]]
+        del big
+        b0 = bytes_read(s)
+        s.get("big", rows=[0])  # warm: the pool's buffers are touched once
+        assert bytes_read(s) - b0 == e.length and e.blocks == written_blocks
+        e.blocks = None
+        grew, got = peak_growth(lambda: s.get("big", rows=[5, 6, 7, 4000]))
+        assert torch.equal(got, want)
+        assert grew < e.length // 8, f"a 4-row read of a {e.length}-byte tensor raised peak RSS by {grew} bytes"
+        assert e.blocks == written_blocks  # verified by the whole crc32c
+        b0 = bytes_read(s)
+        assert torch.equal(s.get("big", rows=[5, 6, 7, 4000]), want)
+        assert bytes_read(s) - b0 == 2 * CRC_BLOCK  # blocks 0 and 15 only
+
+
+def test_a_streamed_range_read_still_checks_the_whole_crc(store, tmp_path):
+    e = ext_of(store, "emb")
+    e.blocks = None
+    path = tmp_path / "s" / "extents-0000.bin"
+    at = e.offset + 5 * CRC_BLOCK + 3  # far from the rows read
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(CorruptionError, match="checksum mismatch"):
+        store.get("emb", rows=[1, 2])
+    assert e.blocks is None  # nothing learnt from bytes that did not verify
+
+
+def test_a_range_read_takes_its_blocks_a_bounded_group_at_a_time(store, monkeypatch):
+    """The blocks covering the rows are read, verified and copied out at most RANGE_SCRATCH bytes at a time
+    (here two blocks): a read of rows covering every block takes no memory for all of them at once, and a
+    range crossing from one group into the next is copied whole."""
+    import tierstore.tiers.nvme.reads as reads
+    from tests.support.memory import peak_growth
+
+    monkeypatch.setattr(reads, "RANGE_SCRATCH", 2 * CRC_BLOCK, raising=False)
+    for rows in (slice(100, 2900), [0, 300, 700, 1019, 1020, 1500, 2999, 5], list(range(0, ROWS, 255)),
+                 slice(250, 770)):
+        b0 = bytes_read(store)
+        assert torch.equal(store.get("emb", rows=rows), table()[rows])
+        blocks = {k for r in (range(ROWS)[rows] if isinstance(rows, slice) else rows)
+                  for k in range(r * COLS * 4 // CRC_BLOCK, ((r + 1) * COLS * 4 - 1) // CRC_BLOCK + 1)}
+        e = ext_of(store, "emb")
+        assert bytes_read(store) - b0 == sum(min(CRC_BLOCK, e.alloc - k * CRC_BLOCK) for k in blocks)
+    e = ext_of(store, "emb")
+    store.get("emb", rows=list(range(0, ROWS, 255)))  # warm: the result's and the scratch's sizes
+    grew, _ = peak_growth(lambda: store.get("emb", rows=list(range(0, ROWS, 255))))
+    assert grew < e.length // 2, f"a read of 12 rows, one per block, raised peak RSS by {grew} bytes"

@@ -42,6 +42,7 @@ import torch
 from .encoding import IDENTITY, as_bytes, codec_config, copy_host, decode, encode, nbytes_of, out_bytes
 from .errors import MisuseError, TierFullError, TierstoreIOError, TierstoreValueError, prefixed
 from .io.pool import physical_memory
+from .rows import row_index
 from .tiers import (
     MEMORY_TIERS,
     PERSISTENT_TIERS,
@@ -53,7 +54,7 @@ from .tiers import (
     tier_info,
 )
 from .tiers.device import DeviceTier
-from .tiers.host import result_empty
+from .tiers.host import check_result_fits, result_empty
 
 log = logging.getLogger("tierstore.store")
 
@@ -500,13 +501,17 @@ class Residency:
                         ext = p.copies.get(disk)
                         if ext is None:
                             self._fastest(p)  # raises: lost
+                        assert ext is not None  # _fastest raised otherwise
                         self._disk.check_readable(ext, f"tensor {p.name!r}")
+                        if outs[i] is None or p.codec is not IDENTITY:  # [Note: memory for a result]
+                            check_result_fits(max(ext.length, p.nbytes), reading(p))
                         p.pins += 1
                         batch.append([i, p, ext, p.version, None])
                 for item in batch:  # the caller's result (or out=), not a host-tier copy
                     i, p, ext = item[0], item[1], item[2]
                     into = out_bytes(outs[i]) if outs[i] is not None and p.codec is IDENTITY else None
-                    item[4] = into if into is not None and ext.length == p.nbytes else result_empty(ext.length)
+                    item[4] = into if into is not None and ext.length == p.nbytes else \
+                        result_empty(ext.length, reading(p))
                 errors = self._disk.read_many([(ext, buf, f"tensor {p.name!r}") for _i, p, ext, _v, buf in batch]) \
                     if batch else []
             finally:
@@ -551,6 +556,8 @@ class Residency:
                 p = self.lookup(name)
                 self.check(p)
                 index = row_index(rows, p.shape, name)
+                count = index[1] - index[0] if isinstance(index, tuple) else len(index)  # rows returned
+                check_result_fits(count * nbytes_of(p.shape[1:], p.dtype), reading(p, count))
                 mem = self._memory_copy(p)
                 if mem is not None:
                     self._touch(p)
@@ -581,7 +588,7 @@ class Residency:
                         ranges[-1] = (a, n + row, d)
                     else:
                         ranges.append((r * row, row, len(ranges) and ranges[-1][2] + ranges[-1][1]))
-            buf = result_empty(nrows * row)
+            buf = result_empty(nrows * row, reading(p, nrows))
             try:
                 self._disk.read_ranges(ext, ranges, buf, f"tensor {p.name!r}")
             except MisuseError:
@@ -788,33 +795,7 @@ def check_out(p: Placement, out, device=None) -> None:
                                       "out is; leave device out")
 
 
-def row_index(rows, shape: torch.Size, name: str) -> tuple[int, int] | torch.Tensor:
-    """`rows` of a tensor of `shape` as (start, stop) for a slice of step 1, else a LongTensor of row indices
-    in [0, shape[0]) (negative ones counted from the end, as torch does). TierstoreValueError names what
-    is wrong."""
-    if len(shape) == 0:
-        raise TierstoreValueError(f"rows= of {name!r}: a 0-d tensor has no rows; read it with get({name!r})")
-    n = shape[0]
-    if isinstance(rows, slice):
-        start, stop, step = rows.indices(n)
-        if step == 1:
-            return start, max(start, stop)
-        rows = range(start, stop, step)
-    if isinstance(rows, torch.Tensor):
-        if rows.dim() != 1 or rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
-            raise TierstoreValueError(f"rows= of {name!r}: a 1-D integer tensor of row indices (or a slice, a list "
-                                      f"of ints); got {rows.dtype} of shape {tuple(rows.shape)}")
-        index = rows.to("cpu", torch.long)
-    else:
-        try:
-            index = torch.as_tensor(list(rows), dtype=torch.long)
-        except (TypeError, ValueError, RuntimeError):
-            raise TierstoreValueError(f"rows= of {name!r}: a slice, a list of ints or a 1-D integer tensor; got "
-                                      f"{type(rows).__name__}") from None
-        if index.dim() != 1:
-            raise TierstoreValueError(f"rows= of {name!r}: a flat list of row indices")
-    bad = (index < -n) | (index >= n)
-    if bool(bad.any()):
-        raise TierstoreValueError(f"rows= of {name!r}: row {int(index[bad][0])} is outside its {n} rows "
-                                  f"(shape {tuple(shape)})")
-    return torch.where(index < 0, index + n, index)
+def reading(p: Placement, rows: int | None = None) -> str:
+    """What a read of p (or of `rows` rows of it) is, for errors."""
+    part = f"{rows} rows of " if rows is not None else ""
+    return f"reading {part}tensor {p.name!r} ({tuple(p.shape)} {p.dtype})"

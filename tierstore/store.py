@@ -270,10 +270,13 @@ class Store:
             out: torch.Tensor | None = None, rows=None) -> torch.Tensor:
         """A copy of tensor `name` as a plain torch.Tensor (see TieredTensor.get; out= reads into your tensor).
 
-        rows: only these rows along dim 0 -- a slice (``rows=slice(1000, 2000)``) or row indices (a list or
-        1-D integer tensor, in any order, repeats allowed); the result has shape (len(rows), *shape[1:]). On
-        the nvme tier only the checksummed 1 MiB blocks covering them are read ([Note: range reads] in
-        tiers/nvme/reads.py); a memory copy is indexed.
+        rows: only these rows along dim 0 -- a slice (``rows=slice(1000, 2000)``), row indices (a list of
+        ints or a 1-D integer tensor, in any order, repeats allowed) or a bool mask with one value per row;
+        the result has shape (number of rows selected, *shape[1:]). Anything else (floats, bools mixed with
+        ints, a mask of another length) is refused ([Note: what rows accepts] in rows.py). On the nvme tier
+        only the checksummed 256 KiB blocks covering them are read ([Note: range reads] in
+        tiers/nvme/reads.py); a memory copy is indexed. A value larger than this machine's memory is refused
+        before anything is allocated ([Note: memory for a result] in tiers/host.py).
 
         [Note: a read by name sees the old or the new value]
         A put() of the same name while the read runs replaces the handle the read started from, which then
@@ -423,10 +426,13 @@ class Store:
 
         compressor: None, a name ('zstd', 'blosc', 'gzip', 'lz4', 'zlib'), a numcodecs codec object (e.g.
         numcodecs.Zstd(level=5)) or a zarr codec. Dtypes numpy lacks (bfloat16, float8) are stored as
-        same-width unsigned integers; the array attribute 'torch_dtype' names the real one."""
+        same-width unsigned integers; the array attribute 'torch_dtype' names the real one. `path` is a new
+        path, an empty directory or a zarr group (replaced); an existing file, or a directory holding anything
+        else, is refused (TierstoreValueError) before anything is written."""
         self._check_open()
+        path = zarr_io.export_target(path)
         if self._read_only:
-            target = os.path.realpath(os.fspath(path))
+            target = os.path.realpath(path)
             for d in self.paths:
                 if os.path.commonpath([target, os.path.realpath(d)]) == os.path.realpath(d):
                     self._check_writable(f"export_zarr({os.fspath(path)!r}) into the store's directory {d}")

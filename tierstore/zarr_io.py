@@ -23,8 +23,9 @@ def write_group(path: str | os.PathLike, names: Iterable[str], read: Callable[[s
     """Write the tensor `read(name)` (a CPU tensor) of every name to a new zarr v3 group at `path`."""
     import zarr
 
+    target = export_target(path)
     compressors = _zarr_compressors(compressor)
-    root = zarr.open_group(os.fspath(path), mode="w", zarr_format=3)
+    root = zarr.open_group(target, mode="w", zarr_format=3)
     root.attrs["tierstore"] = {"version": version}
     used: set[str] = set()
     for i, name in enumerate(sorted(names)):
@@ -37,6 +38,33 @@ def write_group(path: str | os.PathLike, names: Iterable[str], read: Callable[[s
                               attributes={"tierstore_name": name, "torch_dtype": dtype_name(value.dtype)})
         if arr.size:
             a[...] = arr
+
+
+def export_target(path) -> str:
+    """`path` of export_zarr as a str, refused (TierstoreValueError naming it and what to pass) unless the group
+    can go there without destroying anything but an earlier zarr group: a new path (its parents are made), an
+    empty directory, or a zarr group's directory (replaced). An existing file, or a directory holding other
+    things (writing the group deletes a directory's contents), is refused."""
+    want = "pass the path of a new or empty directory, or of a zarr group to replace"
+    try:
+        p = os.fspath(path)
+    except TypeError:
+        raise TierstoreValueError(f"export_zarr(path={path!r}): got a {type(path).__name__}, not a path; "
+                                  f"{want} (a str or os.PathLike)") from None
+    if not isinstance(p, str) or "\0" in p:
+        raise TierstoreValueError(f"export_zarr(path={p!r}): a path is a str without NUL characters; {want}")
+    if os.path.lexists(p) and not os.path.isdir(p):
+        raise TierstoreValueError(f"export_zarr(path={p!r}): an existing file, not a directory; {want}")
+    if os.path.isdir(p) and not os.path.isfile(os.path.join(p, "zarr.json")) and os.listdir(p):
+        raise TierstoreValueError(f"export_zarr(path={p!r}): a directory that holds other files and is no zarr "
+                                  f"group (writing the group would delete them); {want}")
+    parent = os.path.dirname(os.path.abspath(p))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise TierstoreValueError(f"export_zarr(path={p!r}): {parent} is a file, so nothing can be made under it; "
+                                  f"{want}")
+    return p
 
 
 def read_group(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,6 +11,7 @@ kernel for non-root users: the tier then keeps working unlocked and says so once
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import threading
@@ -20,6 +21,8 @@ from collections import OrderedDict, deque
 import numpy
 import torch
 
+from ..errors import TierFullError
+from ..io import pool as io_pool
 from ..io.pool import advise_huge_pages
 from .base import Budget, TierStats, profile_range
 
@@ -59,12 +62,52 @@ def aligned_mapping(nbytes: int, *, lock: bool = False, huge: bool = True) -> tu
     return t, mm
 
 
-def result_empty(nbytes: int) -> torch.Tensor:
+def result_empty(nbytes: int, what: str | None = None) -> torch.Tensor:
     """Memory for a tensor handed to the caller (get()): from RESULTS, the recycled aligned mappings, when
-    large (see [Note: result memory]); else torch's allocator."""
-    if nbytes >= RESULT_ALIGNED_MIN:
-        return RESULTS.empty(nbytes)
-    return torch.empty(nbytes, dtype=torch.uint8)
+    large (see [Note: result memory]); else torch's allocator. With `what` (the value, for errors), memory
+    the machine cannot give raises TierFullError ([Note: memory for a result])."""
+    if what is not None:
+        check_result_fits(nbytes, what)
+    try:
+        if nbytes >= RESULT_ALIGNED_MIN:
+            return RESULTS.empty(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+    except (OSError, MemoryError, RuntimeError) as exc:
+        if what is None or not _out_of_memory(exc):
+            raise
+        raise TierFullError(
+            f"{what}: its {nbytes} bytes of memory could not be had ({exc}): free memory or raise this "
+            f"process's limit (ulimit -v), or read it {_IN_PIECES}") from None
+
+
+_IN_PIECES = ("in pieces (get(name, rows=slice(start, stop))), or into memory of your own (get(name, out=...), "
+              "e.g. a tensor mapped from a file with torch.from_file)")
+
+
+def check_result_fits(nbytes: int, what: str) -> None:
+    """Raise TierFullError, naming `what` and the size, when `nbytes` of memory for a result can never be had:
+    more than this machine's memory.
+
+    [Note: memory for a result]
+    A read that returns a new tensor (get(), get(rows=...)) needs memory for all of it. One larger than the
+    machine is refused before anything is allocated or read, naming the tensor and its size; an allocation
+    refused anyway (the kernel's overcommit check, a `ulimit -v`) raises the same error, naming both too,
+    never a bare OSError(ENOMEM). Either tells how to read it instead: in pieces, or into the caller's own
+    memory. A range read allocates only the rows it returns ([Note: range reads] in tiers/nvme/reads.py)."""
+    memory = io_pool.physical_memory()
+    if memory is not None and nbytes > memory:
+        raise TierFullError(f"{what}: it is {nbytes} bytes, more than this machine's memory ({memory} bytes), "
+                            f"so it cannot be returned as one tensor; read it {_IN_PIECES}")
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether an allocation's exception says memory could not be had (mmap's ENOMEM, torch's allocator)."""
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOMEM
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return "not enough memory" in text or "can't allocate memory" in text or "out of memory" in text
 
 
 RESULT_ALIGNED_MIN = 1 << 20  # bytes

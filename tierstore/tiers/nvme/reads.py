@@ -8,11 +8,15 @@ is 4 KiB aligned, else through pool buffers with the copy of chunk k overlapping
 chunks after it. Each chunk's crc32c is folded in as it completes, in order.
 
 [Note: range reads]
-A read of byte ranges of one extent (read_ranges; Store.get(name, rows=...)) reads the CRC_BLOCK blocks
-covering them ([Note: block checksums] in extents.py) -- consecutive blocks as one request of at most
-RANGE_SPAN bytes, every request 4 KiB aligned and O_DIRECT into aligned memory, all submitted as one batch --
-checks each block's crc32c, then copies the ranges out. An extent without block crcs is read whole (and its
-whole crc32c checked), so a range read is never less verified than a full one.
+A read of byte ranges of one extent (read_ranges; Store.get(name, rows=...)) reads the CRC_BLOCK blocks covering
+them ([Note: block checksums] in extents.py) -- consecutive blocks as one request of at most RANGE_SPAN bytes,
+every request 4 KiB aligned and O_DIRECT into aligned memory, half of RANGE_SCRATCH bytes of blocks submitted as
+one batch while the batch before is checked -- checks each block's crc32c, then copies the ranges out. So its
+memory is the result and at most RANGE_SCRATCH more, however many blocks the rows fall in. An extent without block
+crcs is read whole (and its whole crc32c checked), so a range read is never less verified than a full one -- but
+streamed through pool buffers, copying out only the ranges, so its memory is the result alone. The block crcs
+computed on the way are kept on the extent once the whole crc32c matched, so the later range reads of it read only
+the blocks covering their ranges.
 
 [Note: fresh memory]
 get() reads into memory allocated for the result. Its pages do not exist yet: an O_DIRECT read into it
@@ -27,6 +31,7 @@ variable than small pages (docs/io.md).
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 import time
@@ -34,18 +39,19 @@ from collections import deque
 
 import torch
 
-from ...errors import CorruptionError, TierstoreValueError
+from ...errors import CorruptionError, TierstoreIOError, TierstoreValueError, io_error
 from ...io import ALIGN, Buffer, BufferPool, Engine
 from ...io.checksum import crc_at
 from ...io.pool import populate
 from ..base import TierStats, profile_range
 from ..host import aligned_empty
-from .extents import CRC_BLOCK, EXTENT_FILE, Extent, ExtentSpace, align_up
+from .extents import CRC_BLOCK, EXTENT_FILE, BlockCrcs, Extent, ExtentSpace, align_up
 from .files import ExtentFiles
 from .writes import ExtentWriter
 
 RUN_GAP = 64 << 10  # bytes: the largest hole between two small extents read in one request
 RANGE_SPAN = 16 * CRC_BLOCK  # bytes: the largest request of a range read (consecutive blocks)
+RANGE_SCRATCH = 64 << 20  # bytes: the most memory a range read takes besides its result
 PREFAULT_MIN = 16 << 20  # bytes read straight into memory from which the memory is faulted in ahead
 
 
@@ -133,9 +139,13 @@ def block_corruption(files: ExtentFiles, e: Extent, k: int, got: int, what: str)
 
 def truncation(files: ExtentFiles, e: Extent, what: str) -> CorruptionError | None:
     """A CorruptionError when extent `e` reaches past the end of a part of its extent file (a read of it
-    comes back short), else None."""
+    comes back short), else None -- also when a part's size cannot be had (a filesystem shut down after an
+    error answers fstat with EIO too): the read's own error then stands ([Note: read errors])."""
     for part, phys, _within, length in files.list[e.file].map(e.offset, e.alloc):
-        size = os.fstat(part.fd).st_size  # bytes
+        try:
+            size = os.fstat(part.fd).st_size  # bytes
+        except OSError:
+            return None
         if size < phys + length:
             return CorruptionError(
                 f"{what}: the extent file {part.path} ends at byte {size}, inside this tensor's {e.length} "
@@ -143,6 +153,26 @@ def truncation(files: ExtentFiles, e: Extent, what: str) -> CorruptionError | No
                 "truncated outside tierstore; restore it from a backup, or delete the tensor",
                 part.path, e.offset, e.length)
     return None
+
+
+def read_error(files: ExtentFiles, e: Extent, what: str, exc: BaseException) -> BaseException:
+    """What a failed read of extent `e` (`exc`) raises.
+
+    [Note: read errors]
+    Every way out of a failed read of the persistent tier is a TierstoreIOError naming the file, the offset
+    and the length: the CorruptionError of a truncated extent file when that is the cause, else the read's
+    own error -- one the engine raised already is one; a plain OSError (from anything the read path calls)
+    is made one, naming the extent. Looking for the cause never raises in its place: a filesystem that
+    answered the read with EIO may answer fstat with EIO as well. Errors that are not I/O errors (a closed
+    store's MisuseError) pass as they are."""
+    cut = truncation(files, e, what)
+    if cut is not None:
+        return cut
+    if isinstance(exc, OSError) and not isinstance(exc, TierstoreIOError):
+        paths = ", ".join(files.paths(e.file, e.offset, e.length))
+        return io_error(exc.errno or errno.EIO, f"{what}: reading {e.length} bytes at offset {e.offset} of "
+                        f"extent file {EXTENT_FILE.format(e.file)} ({paths})", paths, e.offset, e.length)
+    return exc
 
 
 def check_readable(files: ExtentFiles, e: Extent, what: str) -> None:
@@ -224,47 +254,130 @@ class ExtentReader:
         moved = 0
         try:
             self.writer.wait_written(e)
-            if e.blocks is None:  # one crc32c for the whole payload: read it whole
-                whole = aligned_empty(e.length, lock=False)
-                err = self.read_many([(e, whole, what)])[0]
-                if err is not None:
-                    raise err
-                for a, n, d in ranges:
-                    ctypes.memmove(out.data_ptr() + d, whole.data_ptr() + a, n)
-                return e.length  # counted in the stats by read_many
-            need = sorted({k for a, n, _d in ranges for k in range(a // CRC_BLOCK, (a + n - 1) // CRC_BLOCK + 1)})
-            # the needed blocks back to back in one aligned buffer (only the extent's last block is short, and
-            # it is last here too); consecutive blocks are one request of at most RANGE_SPAN bytes
-            pos = {k: i * CRC_BLOCK for i, k in enumerate(need)}
-            size = (len(need) - 1) * CRC_BLOCK + align_up(min(CRC_BLOCK, e.length - need[-1] * CRC_BLOCK))
-            buf = _aligned(size)
-            reqs: list[tuple[torch.Tensor, int]] = []
-            first = prev = need[0]
-            for k in need[1:] + [None]:
-                if k is not None and k == prev + 1 and (k - first + 1) * CRC_BLOCK <= RANGE_SPAN:
-                    prev = k
-                    continue
-                start, end = pos[first], pos[prev] + align_up(min(CRC_BLOCK, e.length - prev * CRC_BLOCK))
-                reqs.append((buf[start:end], e.offset + first * CRC_BLOCK))
-                first = prev = k  # type: ignore[assignment]  # None only past the end
-            moved = size
-            io = self.engine.read_many(self.files.list[e.file], reqs)
-            try:
-                io.result()
-            except BaseException as exc:
-                raise truncation(self.files, e, what) or exc from None
-            base = buf.data_ptr()
-            for k in need:
-                got = crc_at(base + pos[k], min(CRC_BLOCK, e.length - k * CRC_BLOCK))
-                if got != e.blocks[k]:
-                    raise block_corruption(self.files, e, k, got, what)
-            dst = out.data_ptr()
-            for a, n, d in ranges:  # consecutive blocks are contiguous in buf: one copy per range
-                ctypes.memmove(dst + d, base + pos[a // CRC_BLOCK] + a % CRC_BLOCK, n)
+            if e.blocks is None:  # one crc32c for the whole payload: stream it whole
+                moved = self._stream_ranges(e, ranges, out, what)
+                return moved
+            moved = self._read_blocks(e, ranges, out, what)
             return moved
         finally:
             self.space.end_read(e)
             self.stats.add("out", moved, time.perf_counter() - t0)
+
+    def _read_blocks(self, e: Extent, ranges: list[tuple[int, int, int]], out: torch.Tensor, what: str) -> int:
+        """read_ranges of an extent with block crcs: the blocks covering `ranges` in groups of half of
+        RANGE_SCRATCH bytes, each read as one batch into one of two buffers while the group before is verified
+        and copied out. Returns the bytes read."""
+        need = sorted({k for a, n, _d in ranges for k in range(a // CRC_BLOCK, (a + n - 1) // CRC_BLOCK + 1)})
+        per = max(1, RANGE_SCRATCH // CRC_BLOCK // 2)  # blocks per group
+        groups = [need[g:g + per] for g in range(0, len(need), per)]
+        bufs = [_aligned(len(groups[0]) * CRC_BLOCK) for _ in groups[:2]]
+        dst, moved = out.data_ptr(), 0
+
+        def end_of(k: int) -> int:  # bytes of block k as read: only the extent's last block is short
+            return align_up(min(CRC_BLOCK, e.length - k * CRC_BLOCK))
+
+        def submit(gi: int):
+            """Start reading group gi into its buffer: (its blocks' places in the buffer, the batch's future)."""
+            group, buf = groups[gi], bufs[gi % 2]
+            # the group's blocks back to back (the extent's last block, if here, is last here too);
+            # consecutive blocks are one request of at most RANGE_SPAN bytes
+            pos = {k: i * CRC_BLOCK for i, k in enumerate(group)}
+            reqs: list[tuple[torch.Tensor, int]] = []
+            first = prev = group[0]
+            for k in group[1:] + [None]:
+                if k is not None and k == prev + 1 and (k - first + 1) * CRC_BLOCK <= RANGE_SPAN:
+                    prev = k
+                    continue
+                reqs.append((buf[pos[first]:pos[prev] + end_of(prev)], e.offset + first * CRC_BLOCK))
+                first = prev = k  # type: ignore[assignment]  # None only past the end
+            try:
+                return pos, self.engine.read_many(self.files.list[e.file], reqs)
+            except BaseException as exc:
+                raise read_error(self.files, e, what, exc) from None
+        pending = [submit(0)]
+        try:
+            for gi, group in enumerate(groups):
+                pos, io = pending[0]
+                if gi + 1 < len(groups):
+                    pending.append(submit(gi + 1))  # into the other buffer, while this group is checked
+                try:
+                    io.result()
+                except BaseException as exc:
+                    raise read_error(self.files, e, what, exc) from None
+                finally:
+                    pending.pop(0)
+                moved += pos[group[-1]] + end_of(group[-1])
+                base = bufs[gi % 2].data_ptr()
+                for k in group:
+                    got = crc_at(base + pos[k], min(CRC_BLOCK, e.length - k * CRC_BLOCK))
+                    if got != e.blocks[k]:  # type: ignore[index]  # an extent with block crcs
+                        raise block_corruption(self.files, e, k, got, what)
+                lo_k, hi_k = group[0], group[-1]
+                for a, n, d in ranges:  # a range's blocks inside the group are consecutive in buf: one copy
+                    lo, hi = max(a, lo_k * CRC_BLOCK), min(a + n, (hi_k + 1) * CRC_BLOCK)
+                    if lo < hi:
+                        k = lo // CRC_BLOCK
+                        ctypes.memmove(dst + d + (lo - a), base + pos[k] + lo % CRC_BLOCK, hi - lo)
+        finally:
+            for _pos, io in pending:
+                io.exception()  # wait: the kernel may still write into the buffer
+        return moved
+
+    def _stream_ranges(self, e: Extent, ranges: list[tuple[int, int, int]], out: torch.Tensor, what: str) -> int:
+        """read_ranges of an extent without block crcs ([Note: range reads]): all of it read through pool
+        buffers, chunk by chunk in order, its crc32c (and block crcs) folded in, the ranges copied out of
+        each chunk; no memory but the pool's. Returns the bytes read."""
+        bb = self.pool.buffer_bytes  # bytes per chunk
+        sf = self.files.list[e.file]
+        acc = BlockCrcs()
+        todo = sorted(ranges)  # by start: a chunk copies from the ranges from todo[first] on
+        first = 0
+        dst = out.data_ptr()
+        window: deque = deque()  # (start, bytes, pool buffer, io future), oldest first
+
+        def finish_oldest() -> None:
+            nonlocal first
+            a, take, buf, io = window.popleft()
+            try:
+                try:
+                    io.result()
+                except BaseException as exc:
+                    raise read_error(self.files, e, what, exc) from None
+                acc.feed(buf.addr, take)
+                end = a + take
+                while first < len(todo) and todo[first][0] + todo[first][1] <= a:
+                    first += 1
+                for k in range(first, len(todo)):
+                    start, n, d = todo[k]
+                    if start >= end:
+                        break
+                    lo, hi = max(start, a), min(start + n, end)
+                    if lo < hi:
+                        ctypes.memmove(dst + d + (lo - start), buf.addr + (lo - a), hi - lo)
+            finally:
+                buf.release()
+        try:
+            for a in range(0, e.length, bb):
+                buf = self._lease_or_finish(window, finish_oldest)
+                try:
+                    io = self.engine.read(sf, buf.tensor(torch.uint8, min(bb, e.alloc - a)), e.offset + a)
+                except BaseException as exc:
+                    buf.release()
+                    raise read_error(self.files, e, what, exc) from None
+                window.append((a, min(bb, e.length - a), buf, io))
+            while window:
+                finish_oldest()
+        finally:
+            while window:
+                _a, _t, buf, io = window.popleft()
+                io.exception()  # wait: the kernel may still write into the buffer
+                buf.release()
+        crc, blocks = acc.finish()
+        if crc != e.crc:
+            raise corruption(self.files, e, crc, what)
+        if blocks is not None and e.blocks is None:
+            e.blocks = blocks  # verified by the whole crc32c: later range reads read only their blocks
+        return e.length
 
     def _lease_or_finish(self, window: deque, finish) -> Buffer:
         """A pool buffer; while none is free, finish the oldest read of `window` (freeing its buffer)."""
@@ -290,7 +403,7 @@ class ExtentReader:
                 try:
                     io.result()
                 except BaseException as exc:
-                    errors[i] = errors[i] or truncation(self.files, e, what) or exc
+                    errors[i] = errors[i] or read_error(self.files, e, what, exc)
                     return
                 if errors[i] is not None:
                     return
@@ -329,7 +442,7 @@ class ExtentReader:
                     except BaseException as exc:
                         if buf is not None:
                             buf.release()
-                        errors[i] = errors[i] or exc
+                        errors[i] = errors[i] or read_error(self.files, e, what, exc)
                         break
                     window.append((i, a, take, buf, io))
             while window:
@@ -359,7 +472,7 @@ class ExtentReader:
                         if cut is None and len(run) > 1:
                             alone.append(i)
                         else:
-                            errors[i] = cut or exc
+                            errors[i] = cut or read_error(self.files, e, what, exc)
                     return
                 for i in run:
                     e, out, what = items[i]
@@ -381,7 +494,7 @@ class ExtentReader:
                 except BaseException as exc:
                     buf.release()
                     for i in run:
-                        errors[i] = exc
+                        errors[i] = read_error(self.files, items[i][0], items[i][2], exc)
                     continue
                 window.append((run, first.offset, buf, io))
             while window:
