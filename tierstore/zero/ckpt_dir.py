@@ -297,7 +297,7 @@ def begin(opt, directory: str, name: str) -> tuple[bool, MisuseError | None, tup
         made = True
         mark(where)
     except Exception as e:
-        return made, None, (where, e)
+        return made, None, (getattr(e, "filename", None) or where, e)
     return made, None, None
 
 
