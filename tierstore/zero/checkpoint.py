@@ -4,10 +4,12 @@ world size and on other tiers.
 Layout of a checkpoint directory:
 
     <dir>/latest                             the name of the current checkpoint (replaced atomically)
+    <dir>/writer.lock                        held by the job that writes here (ckpt_dir.py)
     <dir>/ckpt-00000020-<nonce>/meta.json     format, world size, partition layout, hyperparameters, per-file
                                               size and index crc32c
     <dir>/ckpt-00000020-<nonce>/rank00000.bin that rank's fp32 master and state shards, per sub-group (records)
     <dir>/ckpt-00000020-<nonce>/buffers.bin   the model's buffers (rank 0; records)
+    <dir>/ckpt-00000020-<nonce>/tierstore-checkpoint.json   written first: the mark that tierstore made it
 
 [Note: checkpoint record files]
 A ``.bin`` file (version 3; 2 differed only in its aux state) is written front to back in one pass and read
@@ -244,7 +246,9 @@ class _RecordWriter:
 def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1, client_state: Any = None) -> str:
     """Write a checkpoint of `opt` (every rank calls it) and return its directory. See [Note: atomic
     checkpoints], [Note: a failed save] and [Note: streaming save and load]. keep: how many previous
-    checkpoints to leave besides the new one (rank 0 deletes older). client_state: this rank's own state to
+    checkpoints to leave besides the new one, an int >= 0, or None for all (rank 0 deletes older ones, of
+    tierstore's own only: [Note: what save_checkpoint removes] in ckpt_dir.py); one job at a time writes a
+    directory ([Note: one writer per checkpoint directory] in ckpt_dir.py). client_state: this rank's own state to
     keep with it (an LR scheduler's state_dict, rng_state(), a data position ...), returned by load_checkpoint;
     see [Note: client state].
 
