@@ -262,14 +262,38 @@ def test_two_optimizers_of_one_process_are_two_writers(tmp_path):
     b.close()
 
 
-def test_a_replaced_lock_file_stops_the_writer(tmp_path):
-    _m, opt = trained(tmp_path)
+def test_a_removed_lock_file_is_taken_anew_and_whoever_holds_it_writes(tmp_path):
+    _m, opt = trained(tmp_path, "b")
     ck = tmp_path / "ck"
     opt.save_checkpoint(ck)
-    os.unlink(ck / LOCK)  # by hand: another job could now lock a new file
-    with pytest.raises(MisuseError, match="removed or replaced"):
-        opt.save_checkpoint(ck)
+    os.unlink(ck / LOCK)  # by hand, or with the whole directory
+    opt.save_checkpoint(ck)  # nobody else took it: this job locks the new file and goes on
+    os.unlink(ck / LOCK)
+    p = _start_holder(tmp_path)  # another job takes the directory meanwhile
+    try:
+        with pytest.raises(MisuseError, match=f"pid {p.pid}"):
+            opt.save_checkpoint(ck)
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
     opt.close()
+
+
+def test_an_optimizer_saving_into_new_directories_holds_a_bounded_number(tmp_path):
+    from tierstore.zero import ckpt_dir
+    _m, opt = trained(tmp_path)
+    for k in range(ckpt_dir.HOLD_MAX + 3):
+        opt.save_checkpoint(tmp_path / f"checkpoint-{k}" / "optimizer", keep=0)
+    held = [h for h in ckpt_dir._HELD.values() if h.owner() is opt]
+    assert len(held) == ckpt_dir.HOLD_MAX
+    import shutil
+    shutil.rmtree(tmp_path / "checkpoint-9")  # a Trainer's rotation: that one is let go at the next save
+    opt.save_checkpoint(tmp_path / "checkpoint-20" / "optimizer", keep=0)
+    dirs = sorted(os.path.basename(os.path.dirname(h.directory)) for h in ckpt_dir._HELD.values()
+                  if h.owner() is opt)
+    assert "checkpoint-9" not in dirs and "checkpoint-20" in dirs and "checkpoint-10" in dirs
+    opt.close()
+    assert not [h for h in ckpt_dir._HELD.values() if h.owner() is opt]
 
 
 def _ranks_refused(rank, world, root):

@@ -30,8 +30,9 @@ rank 0 creates, renames and removes anything in the directory, so the ranks of o
 The lock file holds the owner record (host, pid, when the process started, a run id); the refused job's
 MisuseError names that holder. A holder that died released its flock, so a restarted job takes the
 directory over without anyone removing a stale file. At every save the holder checks that the lock file
-is still the one it locked (same inode) and still names it: a lock file removed or replaced by hand would
-otherwise let a second job lock a new one.
+is still the one it locked (same inode) and still names it; one removed or replaced (by hand, or with the
+whole directory) is locked anew as at a first save, so a second job that locked the new file meanwhile
+refuses the holder instead of both writing.
 
 flock, not fcntl record locks: a record lock is dropped when the process closes *any* descriptor of the
 file, which a reader of the owner record in the same process would do. On NFS the Linux client emulates
@@ -41,7 +42,9 @@ exact. A filesystem that refuses flock (ENOLCK, EOPNOTSUPP, ENOSYS: Lustre witho
 back to the owner record alone: a record naming another live process on this host (pid alive, same start
 time) or any process on another host refuses the save; the error says to remove ``writer.lock`` once
 that job is known to be gone. A process forked (not exec'd) after the first save shares the lock; it
-is released when the last of them exits.
+is released when the last of them exits. An optimizer holds at most HOLD_MAX directories: one that saves
+each checkpoint into a new directory (the Trainer and accelerate integrations) lets go of the least recently
+saved beyond that, and of those whose lock file is gone (a directory removed by checkpoint rotation).
 
 [Note: readers and a concurrent cleanup]
 Readers (consolidate, load_checkpoint) take no lock: a writer may replace ``latest`` and remove the
@@ -54,6 +57,7 @@ after they are unlinked, so only the opening of each file races.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import re
@@ -182,6 +186,7 @@ class _Hold:
         self.flocked = flocked
         self.owner = weakref.ref(owner)
         self.finalizer = weakref.finalize(owner, _drop, self)
+        self.used = next(_USES)  # when it last saved here
 
     def pass_to(self, owner) -> None:
         self.finalizer.detach()
@@ -201,6 +206,27 @@ def _drop(hold: _Hold) -> None:
 
 
 _HELD: dict[str, _Hold] = {}  # real path of a checkpoint directory -> this process's hold on it
+_USES = itertools.count()
+HOLD_MAX = 8  # checkpoint directories one optimizer holds at a time
+
+
+def _trim(opt) -> None:
+    """Before `opt` takes another directory: let go of those of its directories that are gone (a Trainer
+    rotating ``checkpoint-<step>`` folders removes them), and of the least recently saved beyond
+    HOLD_MAX - 1, so a run that saves each checkpoint into a new directory holds a bounded number of
+    descriptors ([Note: one writer per checkpoint directory])."""
+    mine = sorted((h for h in _HELD.values() if h.owner() is opt), key=lambda h: h.used)
+    for h in mine:
+        try:
+            st = os.lstat(os.path.join(h.directory, LOCK))
+            gone = (st.st_dev, st.st_ino) != h.ino
+        except OSError:
+            gone = True
+        if gone:
+            h.finalizer()
+    mine = [h for h in mine if h.fd is not None]
+    for h in mine[:max(len(mine) - (HOLD_MAX - 1), 0)]:
+        h.finalizer()
 
 
 def _refused(directory: str, path: str, rec: dict | None, extra: str = "") -> MisuseError:
@@ -223,8 +249,11 @@ def take(opt, directory: str) -> None:
                               "directory")
         if other is not opt:  # closed: the lock passes to this optimizer
             hold.pass_to(opt)
-        _still_mine(hold, path)
-        return
+        if _still_mine(hold, path):
+            hold.used = next(_USES)
+            return
+        hold.finalizer()  # its lock file was removed or replaced: lock the one there now, as a new writer would
+    _trim(opt)
     refuse_link(path)
     fd = own_open(path, os.O_RDWR | os.O_CREAT, what="open the checkpoint directory's lock file")
     try:
@@ -254,18 +283,19 @@ def take(opt, directory: str) -> None:
     _HELD[real] = _Hold(directory, real, fd, (st.st_dev, st.st_ino), mine, flocked, opt)
 
 
-def _still_mine(hold: _Hold, path: str) -> None:
+def _still_mine(hold: _Hold, path: str) -> bool:
+    """Whether the lock file at `path` is still the one `hold` locked (False: removed or replaced); a record
+    in it naming another owner (a filesystem without flock) is a MisuseError."""
     try:
         st = os.lstat(path)
-        same = stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == hold.ino
     except FileNotFoundError:
-        same = False
-    rec = _read_record(path) if same else None
-    if not same or not _same_owner(rec, hold.record):
-        raise MisuseError(f"the lock file {path} of checkpoint directory {hold.directory} was removed or "
-                          f"replaced since this job took it (it names {_holder(rec)}): another job may write "
-                          "there now. Save into another directory, or make sure no other job uses this one and "
-                          "build a new optimizer")
+        return False
+    if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != hold.ino:
+        return False
+    rec = _read_record(path)
+    if not _same_owner(rec, hold.record):
+        raise _refused(hold.directory, path, rec, " (the owner record was rewritten since this job took it)")
+    return True
 
 
 def release(opt) -> None:
