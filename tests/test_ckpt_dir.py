@@ -353,3 +353,34 @@ def test_a_checkpoint_damaged_in_place_is_still_corruption(tmp_path):
     with pytest.raises(CorruptionError, match="missing") as e:
         consolidate(tmp_path / "ck")
     assert e.value.errno == errno.EBADMSG
+
+
+def test_without_flock_the_owner_record_decides(tmp_path, monkeypatch):
+    """A filesystem that refuses flock (Lustre without -o flock): a record naming a live process refuses the
+    save; one naming a process that is gone is taken over."""
+    import fcntl
+    import json
+    import subprocess
+
+    from tierstore.zero import ckpt_dir
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    _m, opt = trained(tmp_path)  # its store locks its own directory first
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        rec = {"host": socket.gethostname(), "pid": other.pid, "start": ckpt_dir._start_time(other.pid), "run": "x",
+               "since": "then"}
+        (ck / LOCK).write_text(json.dumps(rec))
+        with pytest.raises(MisuseError, match=f"pid {other.pid}.*no flock"):
+            opt.save_checkpoint(ck)
+        assert ckpts(ck) == []
+    finally:
+        other.kill()
+        other.wait()
+    opt.save_checkpoint(ck)  # that process is gone: the directory is taken over
+    assert json.loads((ck / LOCK).read_text())["pid"] == os.getpid()
+    opt.close()
