@@ -384,3 +384,22 @@ def test_without_flock_the_owner_record_decides(tmp_path, monkeypatch):
     opt.save_checkpoint(ck)  # that process is gone: the directory is taken over
     assert json.loads((ck / LOCK).read_text())["pid"] == os.getpid()
     opt.close()
+
+
+def _rank1_bad_client_state(rank, world, root):
+    _, m = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(Path(root) / f"r{rank}"))
+    train(m, opt)
+    try:
+        opt.save_checkpoint(os.path.join(root, "ck"), client_state={"fine": 1} if rank == 0 else {"x": object()})
+        out = None
+    except TierstoreValueError as e:
+        out = str(e)
+    opt.close()
+    return out
+
+
+def test_a_bad_client_state_on_one_rank_refuses_the_save_on_every_rank_before_anything_is_made(tmp_path):
+    got = run_ranks(_rank1_bad_client_state, 2, str(tmp_path))
+    assert "rank 1" in got[0] and "client_state" in got[1], got
+    assert not (tmp_path / "ck").exists()

@@ -243,7 +243,7 @@ class _RecordWriter:
             pass
 
 
-def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1, client_state: Any = None) -> str:
+def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int | None = 1, client_state: Any = None) -> str:
     """Write a checkpoint of `opt` (every rank calls it) and return its directory. See [Note: atomic
     checkpoints], [Note: a failed save] and [Note: streaming save and load]. keep: how many previous
     checkpoints to leave besides the new one, an int >= 0, or None for all (rank 0 deletes older ones, of
@@ -271,11 +271,12 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1, client_
     (older ones are not deleted) and the error says so."""
     directory = os.path.abspath(os.fspath(directory))
     group = opt.group
-    # checked on every rank before anything is created ([Note: what save_checkpoint removes] in ckpt_dir.py)
-    ckpt_dir.check_keep(keep)
+    # the arguments, checked on every rank before anything is created (the ranks agree on the outcome, so
+    # none waits in a collective for a rank that refused); [Note: what save_checkpoint removes] in ckpt_dir.py
     client = None  # (tagged JSON, tensors) of client_state
     bad = None
     try:
+        ckpt_dir.check_keep(keep)
         client = None if client_state is None else _encode_client(client_state)
     except TierstoreValueError as e:
         bad = e
@@ -284,8 +285,7 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1, client_
         raise bad
     if any(refusals):
         who = next(r for r, m in enumerate(refusals) if m)
-        raise TierstoreValueError(f"save_checkpoint refused the client_state of rank {who} ({refusals[who]}); "
-                                  "nothing was written")
+        raise TierstoreValueError(f"save_checkpoint refused on rank {who} ({refusals[who]}); nothing was written")
     name = None
     failed = None  # this rank's failure: (path, exception)
     refused = None  # rank 0: another writer holds it ([Note: one writer per checkpoint directory] in ckpt_dir.py)
