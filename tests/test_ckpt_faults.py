@@ -17,6 +17,7 @@ from tests.support.models import batches, loss_fn, make_pair
 from tests.support.zero import cfg
 from tierstore.errors import TierstoreError, TierstoreIOError  # noqa: E402
 from tierstore.zero import Zero3Optimizer, consolidate  # noqa: E402
+from tierstore.zero.ckpt_dir import LOCK  # noqa: E402
 
 
 def train(m, opt, data):
@@ -39,7 +40,8 @@ def first_saved(tmp_path, root):
 
 
 def check_previous_stands(tmp_path, root, good, saved):
-    assert sorted(os.listdir(root)) == sorted([os.path.basename(good), "latest"])  # nothing new left behind
+    # nothing new left behind (but the lock file of the directory's writer)
+    assert sorted(os.listdir(root)) == sorted([os.path.basename(good), "latest", LOCK])
     with open(os.path.join(root, "latest")) as f:
         assert f.read() == os.path.basename(good)
     full = consolidate(root)
@@ -180,4 +182,4 @@ def test_one_rank_fails_every_rank_raises(tmp_path):
         kind, code, msg = res["raised"]
         assert kind == "TierstoreIOError" and code == errno.ENOSPC and "rank00001.bin" in msg, (r, msg)
         assert ("this rank" if r == 1 else "rank 1") in msg
-        assert res["left"] == sorted([res["good"], "latest"])
+        assert res["left"] == sorted([res["good"], "latest", LOCK])

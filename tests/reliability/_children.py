@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import torch
 
@@ -121,3 +122,40 @@ def checkpoint_child(root: str, log: str) -> None:
         os.replace(path + ".tmp", path)
         opt.save_checkpoint(ckpt, client_state=client_state(opt.steps))
         os.write(fd, f"{opt.steps}\n".encode())
+
+
+# -- two jobs, one checkpoint directory --------------------------------------------------------------------
+def digest(state: dict) -> str:
+    """A hash of a state_dict (names, dtypes, shapes, bytes): what the oracle of a two-writer save records."""
+    import hashlib
+    h = hashlib.sha256()
+    for k in sorted(state):
+        t = state[k].detach().contiguous().cpu()
+        h.update(f"{k}:{t.dtype}:{list(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def writer_child(root: str, job: str, log: str) -> None:
+    """One job saving into root/ckpt after every step, until killed: before each save, the digest of the
+    model it saves goes into root/oracle/<digest> (``job step``); after it, ``<time> ok <step>`` or, when
+    another job holds the directory, ``<time> refused <step>`` goes into `log` (and it trains on and tries
+    again, as a job restarted by a scheduler would)."""
+    from tierstore.errors import MisuseError
+    torch.set_num_threads(1)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    ckpt = os.path.join(root, "ckpt")
+    m, opt = make_optimizer(os.path.join(root, f"work-{job}"))
+    salt = {"A": 0, "B": 100_000}[job]  # the jobs train on other data: other models
+    while True:
+        x, y = batch(opt.steps + salt)
+        ((m(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        write_json_durably(os.path.join(root, "oracle", digest(opt.full_state_dict())), [job, opt.steps])
+        try:
+            opt.save_checkpoint(ckpt, keep=1, client_state={"job": job, "step": opt.steps})
+            os.write(fd, f"{time.time()} ok {opt.steps}\n".encode())
+        except MisuseError:
+            os.write(fd, f"{time.time()} refused {opt.steps}\n".encode())
+            time.sleep(0.05)

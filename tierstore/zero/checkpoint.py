@@ -4,10 +4,12 @@ world size and on other tiers.
 Layout of a checkpoint directory:
 
     <dir>/latest                             the name of the current checkpoint (replaced atomically)
+    <dir>/writer.lock                        held by the job that writes here (ckpt_dir.py)
     <dir>/ckpt-00000020-<nonce>/meta.json     format, world size, partition layout, hyperparameters, per-file
                                               size and index crc32c
     <dir>/ckpt-00000020-<nonce>/rank00000.bin that rank's fp32 master and state shards, per sub-group (records)
     <dir>/ckpt-00000020-<nonce>/buffers.bin   the model's buffers (rank 0; records)
+    <dir>/ckpt-00000020-<nonce>/tierstore-checkpoint.json   written first: the mark that tierstore made it
 
 [Note: checkpoint record files]
 A ``.bin`` file (version 3; 2 differed only in its aux state) is written front to back in one pass and read
@@ -84,10 +86,10 @@ is refused with its number.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
-import re
 import shutil
 import struct
 import sys
@@ -97,35 +99,42 @@ from typing import Any, NoReturn, TypeGuard
 import crc32c
 import torch
 
-from ..errors import CorruptionError, TierstoreError, TierstoreIOError, TierstoreValueError, advice
+from ..errors import CorruptionError, MisuseError, TierstoreError, TierstoreIOError, TierstoreValueError, advice
 from ..io.checksum import crc_at, memory_at
-from ..io.files import fsync_dir
+from ..io.files import fsync_dir, own_open, read_small
 from ..manifest import STORED_DTYPES
 from ..partition import Plan, reshard_copies
-from . import _dist, keys
+from . import _dist, ckpt_dir, keys
 from ._layout import fp32_twin
+from .ckpt_dir import LATEST
 
 FORMAT = "tierstore.zero.checkpoint"
 VERSION = 3
 READABLE = (2, 3)  # versions load_checkpoint / consolidate read (2: aux state as plain JSON, no pickled records)
-LATEST = "latest"
 FILE_FORMAT = "tierstore.zero.checkpoint.records"
 MAGIC = b"TSZCKPT2"
 FOOTER = struct.Struct("<QQI4s")  # index_offset, index_nbytes, index crc32c, b"TSZI"
 FOOTER_MAGIC = b"TSZI"
-_LATEST_MAX = 256  # bytes: a checkpoint name is ~26
-_NAME = re.compile(r"ckpt-[0-9]+-[0-9a-f]+")
+_META_MAX = 256 << 20  # bytes of meta.json: the layout lists every parameter (~1 KB each), 200k+ of them
 _AUX_TAGS = ("tuple", "dict", "float", "tensor")
 _AUX_DEPTH = 64  # nesting levels of aux state
 _RECORD_DTYPES = STORED_DTYPES  # dtypes a record may hold
 
 
 def _write_atomic(path: str, data: bytes) -> None:
+    """`path` replaced by `data` (temp, fsync, rename, fsync dir); neither name may be a symlink ([Note:
+    tierstore's own files] in io/files.py)."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    ckpt_dir.refuse_link(path)
+    ckpt_dir.refuse_link(tmp)
+    fd = own_open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, what="write")
+    try:
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(path))
 
@@ -154,8 +163,8 @@ class _RecordWriter:
             raise TierstoreValueError("checkpoints are written little-endian; this machine is big-endian")
         self.path = path
         self.tmp = path + ".tmp"
-        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
-                                      0o644)  # None once finished or aborted
+        self.fd: int | None = own_open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                       what="write")  # None once finished or aborted
         self.records: dict[str, dict] = {}
         self.aux: dict[str, dict] = {}
         self.client: Any = None  # the tagged JSON of client_state; None: none given
@@ -194,11 +203,10 @@ class _RecordWriter:
             self.tensor(f"{gid}.aux.{k}", t)
         self.aux[str(gid)] = enc
 
-    def set_client(self, state: Any) -> None:
-        """The caller's client_state (tagged JSON, its tensors as records ``client.<k>``); TierstoreValueError
-        for a type it cannot hold. See [Note: client state]."""
-        tensors: list[torch.Tensor] = []
-        enc = _encode_aux(state, tensors, "client_state")
+    def set_client(self, encoded: tuple[Any, list[torch.Tensor]]) -> None:
+        """The caller's client_state as _encode_client gave it (tagged JSON, its tensors as records
+        ``client.<k>``). See [Note: client state]."""
+        enc, tensors = encoded
         for k, t in enumerate(tensors):
             self.tensor(f"client.{k}", t)
         self.client = {"state": enc}
@@ -235,10 +243,12 @@ class _RecordWriter:
             pass
 
 
-def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1, client_state: Any = None) -> str:
+def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int | None = 1, client_state: Any = None) -> str:
     """Write a checkpoint of `opt` (every rank calls it) and return its directory. See [Note: atomic
     checkpoints], [Note: a failed save] and [Note: streaming save and load]. keep: how many previous
-    checkpoints to leave besides the new one (rank 0 deletes older). client_state: this rank's own state to
+    checkpoints to leave besides the new one, an int >= 0, or None for all (rank 0 deletes older ones, of
+    tierstore's own only: [Note: what save_checkpoint removes] in ckpt_dir.py); one job at a time writes a
+    directory ([Note: one writer per checkpoint directory] in ckpt_dir.py). client_state: this rank's own state to
     keep with it (an LR scheduler's state_dict, rng_state(), a data position ...), returned by load_checkpoint;
     see [Note: client state].
 
@@ -261,29 +271,45 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1, client_
     (older ones are not deleted) and the error says so."""
     directory = os.path.abspath(os.fspath(directory))
     group = opt.group
-    name = sub = None
-    where = directory  # the path the failing step was writing
+    # the arguments, checked on every rank before anything is created (the ranks agree on the outcome, so
+    # none waits in a collective for a rank that refused); [Note: what save_checkpoint removes] in ckpt_dir.py
+    client = None  # (tagged JSON, tensors) of client_state
+    bad = None
+    try:
+        ckpt_dir.check_keep(keep)
+        client = None if client_state is None else _encode_client(client_state)
+    except TierstoreValueError as e:
+        bad = e
+    refusals = _dist.all_gather_object(None if bad is None else str(bad), group)
+    if bad is not None:
+        raise bad
+    if any(refusals):
+        who = next(r for r, m in enumerate(refusals) if m)
+        raise TierstoreValueError(f"save_checkpoint refused on rank {who} ({refusals[who]}); nothing was written")
+    name = None
     failed = None  # this rank's failure: (path, exception)
+    refused = None  # rank 0: another writer holds it ([Note: one writer per checkpoint directory] in ckpt_dir.py)
+    made = False  # rank 0 created the new directory (only then may a failure remove it)
     if opt.rank == 0:
         name = f"ckpt-{opt.steps:08d}-{uuid.uuid4().hex[:8]}"
-        sub = os.path.join(directory, name)
-        try:
-            os.makedirs(directory, exist_ok=True)
-            os.makedirs(sub)
-        except Exception as e:
-            failed = (sub, e)
-    name, failures = _dist.broadcast_object((name, _outcome(opt.rank, failed)), 0, group)
+        made, refused, failed = ckpt_dir.begin(opt, directory, name)
+    name, failures, why = _dist.broadcast_object((name, _outcome(opt.rank, failed), None if refused is None
+                                                  else str(refused)), 0, group)
     sub = os.path.join(directory, name)
+    if why is not None:
+        if refused is not None:
+            raise refused
+        raise MisuseError(f"save_checkpoint refused on rank 0: {why}")
     if failures:
-        _save_failed(opt, sub, failures, failed)
+        _save_failed(opt, sub, failures, failed, made=made)
     fname = f"rank{opt.rank:05d}.bin"
     info = None
     try:
         where = os.path.join(sub, fname)
         w = _RecordWriter(where)
         try:
-            if client_state is not None:
-                w.set_client(client_state)
+            if client is not None:
+                w.set_client(client)
             for gl in opt.layout.groups:
                 for gid in gl.gids:
                     if not gl.trainable:
@@ -331,7 +357,7 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1, client_
             _write_atomic(where, name.encode())
         except Exception as e:
             failed = (where, e)
-            renamed = where.endswith(LATEST) and _names(where, name)
+            renamed = where.endswith(LATEST) and ckpt_dir.names(where, name)
             for leftover in (where + ".tmp",):
                 try:
                     os.unlink(leftover)
@@ -341,24 +367,15 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int = 1, client_
     if failures:
         _save_failed(opt, sub, failures, failed, renamed)
     if opt.rank == 0:
-        try:
-            old = sorted(d for d in os.listdir(directory) if d.startswith("ckpt-") and d != name)
-        except OSError:
-            old = []  # the new checkpoint is complete; older ones are deleted by the next save
-        old_complete = [d for d in old if os.path.exists(os.path.join(directory, d, "meta.json"))]
-        for d in old:
-            if d not in old_complete[len(old_complete) - keep:] or keep == 0:
-                shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
+        ckpt_dir.prune(directory, name, keep)
     _dist.barrier(group)
     return sub
 
 
-def _names(latest: str, name: str) -> bool:
-    try:
-        with open(latest, "rb") as f:
-            return f.read() == name.encode()
-    except OSError:
-        return False
+def _encode_client(state: Any) -> tuple[Any, list[torch.Tensor]]:
+    """client_state as tagged JSON and the tensors in it; TierstoreValueError for a type it cannot hold."""
+    tensors: list[torch.Tensor] = []
+    return _encode_aux(state, tensors, "client_state"), tensors
 
 
 def _outcome(rank: int, failed) -> list[tuple[int, str, int | None, str]]:
@@ -369,9 +386,10 @@ def _outcome(rank: int, failed) -> list[tuple[int, str, int | None, str]]:
     return [(rank, path, getattr(e, "errno", None), f"{type(e).__name__}: {e}")]
 
 
-def _save_failed(opt, sub: str, failures: list, failed, renamed: bool = False):
-    """Every rank: remove the new checkpoint (rank 0) unless `latest` may name it, and raise."""
-    if opt.rank == 0 and not renamed:
+def _save_failed(opt, sub: str, failures: list, failed, renamed: bool = False, made: bool = True):
+    """Every rank: remove the new checkpoint (rank 0, where it made it) unless `latest` may name it, and
+    raise."""
+    if opt.rank == 0 and made and not renamed:
         shutil.rmtree(sub, ignore_errors=True)
     rank, path, code, message = failures[0]
     mine = failed is not None and rank == opt.rank
@@ -419,54 +437,28 @@ def _check(ok: bool, path: str, field: str, what: str) -> None:
         _corrupt(path, field, what)
 
 
-def _checkpoint_name(directory: str) -> str:
-    """The checkpoint `latest` names, checked to be a plain checkpoint name inside `directory`."""
-    if not os.path.isdir(directory):
-        if os.path.exists(directory):
-            raise TierstoreValueError(f"{directory} is a file, not a checkpoint directory: pass the directory "
-                                      f"given to save_checkpoint (it holds {LATEST!r} and the ckpt-* directories)")
-        raise TierstoreValueError(f"no checkpoint directory {directory}: pass the directory given to "
-                                  "save_checkpoint")
-    path = os.path.join(directory, LATEST)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_LATEST_MAX + 1)  # bytes
-    except FileNotFoundError:
-        if os.path.exists(os.path.join(directory, "meta.json")):
-            raise TierstoreValueError(f"{directory} is one checkpoint's own directory; pass the directory that "
-                                      f"holds it and {LATEST!r}: {os.path.dirname(directory)}") from None
-        raise TierstoreValueError(f"no checkpoint in {directory} (no {LATEST!r} file); write one with "
-                                  f"opt.save_checkpoint({directory!r})") from None
-    except OSError as e:
-        raise CorruptionError(f"{LATEST!r} cannot be read ({e.strerror}); write the name of the newest complete "
-                              "ckpt-* directory into it", path) from None
-    try:
-        name = raw.decode("ascii").strip()
-    except UnicodeDecodeError:
-        name = None
-    if name is None or len(raw) > _LATEST_MAX or not _NAME.fullmatch(name):
-        shown = raw[:60] if name is None else name[:60]
-        raise CorruptionError(f"{LATEST!r} holds {shown!r}, which is not the name of a checkpoint in this "
-                              f"directory (ckpt-<steps>-<hex>); write the name of the newest complete ckpt-* "
-                              f"directory into it", path)
-    return name
-
-
 def read_meta(directory: str | os.PathLike) -> tuple[str, dict]:
     """(checkpoint subdirectory, meta body) of the latest checkpoint in `directory`, checked field by field
     ([Note: checkpoints are untrusted input]); the body's "version" is the format version of its files."""
     directory = os.path.abspath(os.fspath(directory))
-    name = _checkpoint_name(directory)
-    sub = os.path.join(directory, name)
-    path = os.path.join(sub, "meta.json")
-    try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read())
-    except FileNotFoundError:
-        raise CorruptionError(f"{LATEST!r} names {name}, which has no meta.json; write the name of the newest "
-                              "complete ckpt-* directory into it", path) from None
-    except (OSError, ValueError, RecursionError) as e:
-        raise CorruptionError(f"checkpoint metadata unreadable: {e}", path) from None
+    for _attempt in range(ckpt_dir.RETRIES):
+        name = ckpt_dir.latest_name(directory)
+        sub = os.path.join(directory, name)
+        path = os.path.join(sub, "meta.json")
+        try:
+            doc = json.loads(read_small(path, _META_MAX, what="read checkpoint metadata"))
+            break
+        except TierstoreIOError as e:
+            if e.errno != errno.ENOENT:
+                raise CorruptionError(f"checkpoint metadata cannot be read ({e.strerror})", path) from None
+            if ckpt_dir.vanished(directory, sub, path):  # a writer moved `latest` on and pruned it: again
+                continue  # ([Note: readers and a concurrent cleanup] in ckpt_dir.py)
+            raise CorruptionError(f"{LATEST!r} names {name}, which has no meta.json; write the name of the newest "
+                                  "complete ckpt-* directory into it", path) from None
+        except (ValueError, RecursionError) as e:
+            raise CorruptionError(f"checkpoint metadata unreadable: {e}", path) from None
+    else:
+        raise ckpt_dir.removed_error(directory, sub)
     body = doc.get("body") if isinstance(doc, dict) else None
     if not isinstance(body, dict) or doc.get("format") != FORMAT or not _is_int(doc.get("crc32c")) \
             or doc["crc32c"] != _body_crc(body):
@@ -606,10 +598,10 @@ class _RecordFile:
         if want is None:
             raise CorruptionError("checkpoint file is not listed in meta.json", path)
         try:
-            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise CorruptionError("checkpoint file is missing", path) from None
-        except OSError as e:
+            self.fd = own_open(path, os.O_RDONLY, what="open")  # a regular file, not through a symlink
+        except TierstoreIOError as e:
+            if e.errno == errno.ENOENT:
+                raise CorruptionError("checkpoint file is missing", path) from None
             raise CorruptionError(f"checkpoint file cannot be opened ({e.strerror})", path) from None
         try:
             size = os.fstat(self.fd).st_size
@@ -930,7 +922,18 @@ def consolidate(directory: str | os.PathLike, *, dtype: torch.dtype | None = Non
 
     dtype: of the parameters (default: the compute dtype of the run that saved it; float32 gives the
     masters themselves)."""
-    sub, body = read_meta(directory)
+    directory = os.path.abspath(os.fspath(directory))
+    for _attempt in range(ckpt_dir.RETRIES):
+        sub, body = read_meta(directory)
+        try:
+            return _consolidate(sub, body, dtype)
+        except CorruptionError as e:  # a file gone because a writer pruned the checkpoint is not damage
+            if not ckpt_dir.vanished(directory, sub, e.filename):  # ([Note: readers and a concurrent cleanup])
+                raise
+    raise ckpt_dir.removed_error(directory, sub)
+
+
+def _consolidate(sub: str, body: dict, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     ck = _Checkpoint(sub, body)
     try:
         world = body["world_size"]

@@ -960,6 +960,9 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self._stepper.close()
         self.store.close(flush=False)
         self.store = None  # type: ignore[assignment]  # None marks it closed; a Store for as long as it is open
+        # the checkpoint directories it writes pass on ([Note: one writer per checkpoint directory] in ckpt_dir.py)
+        from .ckpt_dir import release
+        release(self)
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
