@@ -39,7 +39,7 @@ import torch
 from ..errors import MisuseError, TierstoreValueError
 from ..store import Store
 from ..tiers import tier_info
-from . import _dist, clip, keys
+from . import _dist, clip, keys, registry, scratch, validate
 from ._layout import Layout
 from .config import OffloadConfig
 from .disk_bytes import KINDS, DiskBytes
@@ -157,8 +157,9 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if not isinstance(model, torch.nn.Module):
             raise TierstoreValueError(f"model must be the nn.Module to partition; got {type(model).__name__}. "
                                       f"Zero3Optimizer needs the module to install its gather/release hooks")
+        registry.check_unowned(model)  # [Note: one optimizer per model] in registry.py
         _check_elementwise(optimizer_class, elementwise_ok)
-        self.config = config = config if config is not None else OffloadConfig()
+        self.config = config = OffloadConfig.coerce(config)
         self.model = model
         self.group = process_group
         self.world_size, self.rank = _dist.world_and_rank(process_group)
@@ -191,25 +192,26 @@ class Zero3Optimizer(torch.optim.Optimizer):
                                           f"parameters only")
             shapes[name] = shape
         groups = self._normalise_groups(param_groups, by_id)
+        validate.optimizer_arguments(optimizer_class, optimizer_kwargs, [o for _n, o in groups], self.device)
         self.layout = Layout([(n, shapes[n], cdt, p.requires_grad) for n, p in self._params.items()], groups,
                              self.world_size, min_io_bytes=config.min_io_bytes, bucket_bytes=config.sub_group_bytes)
-        for _n, b in model.named_buffers():
-            if b.is_floating_point() and b.dtype != cdt:
-                b.data = b.data.to(cdt)
         # -- the store --------------------------------------------------------------------------------
-        self._tmpdir = None
-        if config.nvme_paths:
-            paths = [os.path.join(p, f"rank{self.rank}") for p in config.nvme_paths]
+        self._tmpdir, act_paths = None, None
+        if config.nvme_paths:  # [Note: scratch directories are marked] in scratch.py
+            paths, act_paths = scratch.claim_optimizer_dirs(config.nvme_paths, self.rank,
+                                                            activations=config.activation_offload == "nvme")
         else:
             self._tmpdir = tempfile.mkdtemp(prefix="tierstore-zero-")
             paths = [self._tmpdir]
         tiers = {config.params, config.optimizer_states, config.gradients}
-        # A previous run's states are not this run's: the store starts empty (checkpoints live elsewhere). It
-        # discards them itself, after it has locked every directory, so an optimizer started on directories
-        # another one is using gets MisuseError and changes nothing.
+        # A previous run's states are not this run's: the store starts empty (checkpoints live elsewhere), after
+        # it locked every directory (a second optimizer on them gets MisuseError and changes nothing).
         self.store = Store(paths, device_budget=None if "device" in tiers else 0,
                            host_budget=None if "host" in tiers else 0, pinned_budget=config.pinned_bytes,
                            device=self.device, io_tuning=config.io_tuning, _fresh=True)
+        for _n, b in model.named_buffers():
+            if b.is_floating_point() and b.dtype != cdt:
+                b.data = b.data.to(cdt)
         policy = None
         if config.state_codec == "dynamic8":
             from ..quant.states import StatePolicy
@@ -304,8 +306,6 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self.activations = None  # tierstore.ActivationOffload when config.activation_offload is set
         if config.activation_offload is not None:
             from ..activations import ActivationOffload
-            act_paths = [os.path.join(p, f"activations-rank{self.rank}") for p in config.nvme_paths] \
-                if config.activation_offload == "nvme" and config.nvme_paths else None
             self.activations = ActivationOffload(
                 config.activation_offload, paths=act_paths, mode=config.activation_mode,
                 budget_bytes=config.activation_budget_bytes, compress=config.activation_compress)
@@ -958,6 +958,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if self.activations is not None:
             self.activations.close()
         self._stepper.close()
+        registry.mark_released(self._params.values(), repr(self))  # [Note: one optimizer per model]
         self.store.close(flush=False)
         self.store = None  # type: ignore[assignment]  # None marks it closed; a Store for as long as it is open
         if self._tmpdir:
