@@ -140,9 +140,9 @@ def test_a_second_optimizer_on_the_same_model_is_refused_and_the_first_trains_on
 
 
 def test_a_closed_optimizers_model_is_refused_until_it_holds_values(tmp_path):
-    """After close() the parameters are empty: a new optimizer on them is refused saying how to carry the
-    values over (it used to build on shape-[0] parameters); a model built again and given the values trains
-    on. optimizer_of(model) finds an optimizer dropped without close()."""
+    """After close() the parameters are empty: a new optimizer on them is refused saying how to keep the
+    values (it used to build on shape-[0] parameters and fail in the forward). optimizer_of(model) finds an
+    optimizer dropped without close()."""
     from tierstore.zero import optimizer_of
     _, m = make_pair()
     opt = Zero3Optimizer(m, torch.optim.AdamW, config=cfg(tmp_path / "a"), lr=1e-2)
@@ -151,15 +151,34 @@ def test_a_closed_optimizers_model_is_refused_until_it_holds_values(tmp_path):
     del opt
     gc.collect()
     assert optimizer_of(m) is ref() is not None  # the model's hooks keep it: still the owner
-    sd = m.state_dict()
     optimizer_of(m).close()
     assert optimizer_of(m) is None
-    with pytest.raises(MisuseError, match="state_dict"):
+    with pytest.raises(MisuseError, match="release_model"):
         Zero3Optimizer(m, torch.optim.AdamW, config=cfg(tmp_path / "b"), lr=1e-2)
-    m2 = Net()
-    m2.load_state_dict(sd)
-    opt2 = Zero3Optimizer(m2, torch.optim.AdamW, config=cfg(tmp_path / "b"), lr=1e-2)
-    assert all(torch.isfinite(torch.tensor(v)) for v in _losses(opt2, m2, 2))
+    assert not (tmp_path / "b").exists()
+
+
+def test_release_model_hands_the_trained_values_back_for_a_new_optimizer(tmp_path):
+    """release_model(opt): the model holds the values opt stepped to (fp32 masters: torch's AdamW run, within
+    parity), is a plain model again, and a new optimizer takes it and trains on."""
+    from tests.support import max_rel, reference
+    from tierstore.zero import optimizer_of, release_model
+    _, m = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, config=cfg(tmp_path / "a"), lr=1e-2)
+    _losses(opt, m, 3)
+    masters = opt.full_state_dict()
+    assert release_model(opt) is m and opt.store is None and optimizer_of(m) is None
+    got = dict(m.named_parameters())
+    for n, v in masters.items():
+        assert got[n].dtype == torch.float32 and torch.equal(got[n].detach(), v.float())
+    assert max_rel({n: p.detach() for n, p in got.items()}, reference(torch.optim.AdamW, {"lr": 1e-2}, 3)) < 1e-5
+    x, y = batches(1, seed=7)[0]
+    plain = loss_fn(m, x, y).item()  # no hooks: the model's own forward
+    opt2 = Zero3Optimizer(m, torch.optim.AdamW, config=cfg(tmp_path / "b"), lr=1e-2)
+    loss = loss_fn(m, x, y)
+    assert loss.item() == pytest.approx(plain, rel=1e-6)
+    loss.backward()
+    opt2.step()
     opt2.close()
 
 

@@ -9,7 +9,8 @@ training would silently follow neither. So a model any of whose parameters an op
 refused up front, before anything is touched, with MisuseError naming that optimizer. ``close()`` removes
 its hooks and takes it out of this registry, but the parameters stay empty (their values were in its store,
 and putting a whole model back in memory is not what closing should do): a model whose parameters a closed
-optimizer emptied is refused too, saying how to carry the values over. The registry holds optimizers
+optimizer emptied is refused too. ``release_model(opt)`` closes it and gives the values back ([Note:
+releasing a model] in release.py); then a new optimizer takes the model. The registry holds optimizers
 weakly; an optimizer dropped without close() stays alive, and the model's owner, as long as the model does
 (its hooks hold it), so ``optimizer_of(model)`` finds it to close it.
 """
@@ -24,7 +25,7 @@ from ..errors import MisuseError
 
 _lock = threading.Lock()
 _open: weakref.WeakSet = weakref.WeakSet()
-_RELEASED = "_tierstore_released"  # attribute of a parameter a closed optimizer emptied: that optimizer's repr
+RELEASED = "_tierstore_released"  # attribute of a parameter a closed optimizer emptied: that optimizer's repr
 
 
 def add(opt) -> int:
@@ -61,7 +62,7 @@ def mark_released(params, closed_by: str) -> None:
     """An optimizer (repr `closed_by`) is closing: its `params` stay empty, their values gone with its store."""
     for p in params:
         if p.numel() == 0:
-            setattr(p, _RELEASED, closed_by)
+            setattr(p, RELEASED, closed_by)
 
 
 def check_unowned(model: torch.nn.Module) -> None:
@@ -72,15 +73,14 @@ def check_unowned(model: torch.nn.Module) -> None:
         raise MisuseError(
             f"this model is already partitioned by {first!r} (object at {id(first):#x}), which is open; one "
             f"Zero3Optimizer per model (two would both hook it, and training would follow neither). Keep using "
-            f"that one (change its settings through its param_groups), or close it -- "
-            f"tierstore.zero.optimizer_of(model).close() finds it -- and build the new optimizer on a model "
-            f"built again: closing leaves the parameters empty, their values were in its store (take "
-            f"sd = model.state_dict() before closing to carry them over with new_model.load_state_dict(sd))")
+            f"that one (its settings can change through its param_groups), or hand the model back with "
+            f"tierstore.zero.release_model(first) -- it closes that optimizer and puts the parameters' values "
+            f"back into the model (every rank calls it) -- and build the new one then. "
+            f"tierstore.zero.optimizer_of(model) returns that optimizer")
     for name, p in model.named_parameters():
-        closed_by = getattr(p, _RELEASED, None)
+        closed_by = getattr(p, RELEASED, None)
         if closed_by is not None and p.numel() == 0:
             raise MisuseError(
                 f"parameter {name!r} of this model is empty: {closed_by} partitioned it and was closed, and its "
-                f"values went with it. Build the model again for a new optimizer; to carry the trained values "
-                f"over, take sd = model.state_dict() before closing the old optimizer and call "
-                f"new_model.load_state_dict(sd)")
+                f"values went with it. Build the model again for a new optimizer; to keep the values, hand a "
+                f"model back with tierstore.zero.release_model(opt) instead of opt.close()")
