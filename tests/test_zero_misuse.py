@@ -237,3 +237,11 @@ def test_a_deeply_nested_deepspeed_file_is_refused(tmp_path):
         OffloadConfig.from_deepspeed(str(p))
     with pytest.raises(TierstoreValueError, match="nested too deeply"):
         from_deepspeed(str(p), lr=1e-3)
+
+
+@pytest.mark.parametrize("path", [5, ["/x"], True])
+def test_a_deepspeed_nvme_path_that_is_not_a_string_is_refused_naming_the_key(path):
+    """It used to become str(path): nvme_path=5 wrote into a directory "5" under the current one."""
+    ds = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path}}}
+    with pytest.raises(TierstoreValueError, match="offload_param.nvme_path"):
+        OffloadConfig.from_deepspeed(ds)

@@ -416,7 +416,9 @@ def map_deepspeed(ds_config, overrides: Mapping[str, Any]) -> MappedDeepSpeed:
             if not p:
                 raise TierstoreValueError(f"zero_optimization.{sec_name}.device is 'nvme' but "
                                           f"{sec_name}.nvme_path is missing: set it to a directory on the drive")
-            paths.append(str(p))
+            if not isinstance(p, str):
+                raise TierstoreValueError(f"zero_optimization.{sec_name}.nvme_path={p!r}: a directory path (a string)")
+            paths.append(p)
         sec.pop("pin_memory", None)  # the nvme tier always stages through pinned memory
         ignored += [f"zero_optimization.{sec_name}.{k}" for k in sec]
         kw[fld] = _OFFLOAD_DEVICES[dev] or "device"

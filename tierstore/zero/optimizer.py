@@ -204,8 +204,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
             self._tmpdir = tempfile.mkdtemp(prefix="tierstore-zero-")
             paths = [self._tmpdir]
         tiers = {config.params, config.optimizer_states, config.gradients}
-        # A previous run's states are not this run's: the store starts empty (checkpoints live elsewhere), after
-        # it locked every directory (a second optimizer on them gets MisuseError and changes nothing).
+        # starts empty (a previous run's states are not this run's) once it locked every directory (else MisuseError)
         self.store = Store(paths, device_budget=None if "device" in tiers else 0,
                            host_budget=None if "host" in tiers else 0, pinned_budget=config.pinned_bytes,
                            device=self.device, io_tuning=config.io_tuning, _fresh=True)
