@@ -27,10 +27,12 @@ FORMAT = "tierstore.zero.scratch/1"
 _MARKER_LIMIT = 4096  # bytes: the marker is one short JSON object
 
 
-def _refuse(path: str, owner: str, what: str) -> MisuseError:
+def _refuse(path: str, owner: str, what: str, remove: str = "") -> MisuseError:
+    remove = remove or (f"remove {path} if nothing in it is needed (a scratch directory left without its "
+                        f"marker by an older tierstore is safe to remove)")
     return MisuseError(f"{path} {what}; {owner} keeps its scratch store there and reuses only a directory it "
                        f"created itself (marked by its {MARKER}), since it starts that store empty on every "
-                       f"run. Pick another nvme_path, or remove {path} if nothing in it is needed")
+                       f"run. Pick another nvme_path, or {remove}")
 
 
 def _read_owner(path: str, owner: str) -> str:
@@ -91,7 +93,8 @@ def claim(path: str | os.PathLike, owner: str) -> str:
             _write_marker(p, owner)
             break
         if stat.S_ISLNK(st.st_mode):
-            raise _refuse(p, owner, f"is a symlink (to {os.readlink(p)!r}), which tierstore never follows there")
+            raise _refuse(p, owner, f"is a symlink (to {os.readlink(p)!r}), which tierstore never follows there",
+                          "remove the link (what it points to is left alone)")
         if not stat.S_ISDIR(st.st_mode):
             raise _refuse(p, owner, "is not a directory")
         if not os.path.lexists(os.path.join(p, MARKER)):
