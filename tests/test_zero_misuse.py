@@ -13,7 +13,7 @@ import torch
 
 import tierstore
 from tests.support import Net, batches, cfg, loss_fn, make_pair
-from tierstore.errors import MisuseError, TierstoreValueError
+from tierstore.errors import MisuseError, TierstoreTypeError, TierstoreValueError
 from tierstore.zero import Init, OffloadConfig, Zero3Optimizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -192,6 +192,10 @@ def test_bad_nvme_paths_are_refused_naming_the_argument(paths):
 def test_config_fields_are_checked_by_name():
     with pytest.raises(TierstoreValueError, match="unknown_field"):
         OffloadConfig(unknown_field=1)
+    with pytest.raises(TypeError):  # still what Python's own refusal was
+        OffloadConfig(unknown_field=1)
+    with pytest.raises(TierstoreTypeError, match="positional"):
+        OffloadConfig(*["host"] * 40)
     with pytest.raises(TierstoreValueError, match="did you mean nvme_paths"):
         OffloadConfig(nvme_path="/x")
     with pytest.raises(TierstoreValueError, match="pinned_bytes"):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..errors import TierstoreValueError
+from ..errors import TierstoreTypeError, TierstoreValueError
 from ..tiers import TIERS, tier_info
 from . import validate
 from .validate import known_fields
@@ -210,7 +210,7 @@ class OffloadConfig:
                 raise TierstoreValueError(f"{argument}: the keys of a config dict are OffloadConfig's field names; "
                                           f"got {bad[0]!r}")
             return cls(**config)
-        raise TierstoreValueError(f"{argument}={config!r}: pass a tierstore.zero.OffloadConfig (or a dict of its "
+        raise TierstoreTypeError(f"{argument}={config!r}: pass a tierstore.zero.OffloadConfig (or a dict of its "
                                   f"fields, or None for the defaults); got {type(config).__name__}")
 
     @property

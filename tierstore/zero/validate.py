@@ -14,14 +14,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..errors import TierstoreValueError
+from ..errors import TierstoreTypeError, TierstoreValueError
 
 T = TypeVar("T")
 
 
 def known_fields(cls: type[T]) -> type[T]:
     """Wrap a dataclass's generated __init__ so that an unknown keyword (a typo, a DeepSpeed key) or too many
-    positional arguments are a TierstoreValueError naming it and the closest field, not Python's TypeError.
+    positional arguments are a TierstoreTypeError naming it and the closest field, not a bare TypeError.
     Applied above @dataclass; dataclasses.replace goes through it too."""
     generated = cls.__init__
     names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
@@ -33,14 +33,14 @@ def known_fields(cls: type[T]) -> type[T]:
             k = unknown[0]
             near = difflib.get_close_matches(k, names, n=1)
             hint = f"did you mean {near[0]}=...? " if near else ""
-            raise TierstoreValueError(f"{cls.__name__}({k}=...): no such field; {hint}its fields are "
+            raise TierstoreTypeError(f"{cls.__name__}({k}=...): no such field; {hint}its fields are "
                                       f"{', '.join(names)}")
         if len(args) > len(names):
-            raise TierstoreValueError(f"{cls.__name__} takes at most {len(names)} positional arguments "
+            raise TierstoreTypeError(f"{cls.__name__} takes at most {len(names)} positional arguments "
                                       f"({', '.join(names)}); got {len(args)}: pass them by name")
         taken = [n for n in names[:len(args)] if n in kwargs]
         if taken:
-            raise TierstoreValueError(f"{cls.__name__}: {taken[0]} given twice (by position and by name)")
+            raise TierstoreTypeError(f"{cls.__name__}: {taken[0]} given twice (by position and by name)")
         generated(self, *args, **kwargs)
 
     setattr(cls, "__init__", __init__)  # noqa: B010 -- assigning the method directly upsets mypy
@@ -57,12 +57,12 @@ def nvme_paths(v: Any, owner: str = "OffloadConfig") -> list[str] | None:
     if isinstance(v, str | os.PathLike):
         v = [v]
     elif isinstance(v, bytes | bytearray) or not isinstance(v, Sequence):
-        raise TierstoreValueError(f"{what}; got {type(v).__name__} {v!r}"
+        raise TierstoreTypeError(f"{what}; got {type(v).__name__} {v!r}"
                                   + (" (decode bytes with os.fsdecode)" if isinstance(v, bytes | bytearray) else ""))
     out = []
     for i, p in enumerate(v):
         if not isinstance(p, str | os.PathLike):
-            raise TierstoreValueError(f"{what}; nvme_paths[{i}] is {type(p).__name__} {p!r}"
+            raise TierstoreTypeError(f"{what}; nvme_paths[{i}] is {type(p).__name__} {p!r}"
                                       + (" (decode bytes with os.fsdecode)" if isinstance(p, bytes) else ""))
         s = os.fspath(p)
         if not isinstance(s, str):
