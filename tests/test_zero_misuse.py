@@ -13,7 +13,7 @@ import torch
 
 import tierstore
 from tests.support import Net, batches, cfg, loss_fn, make_pair
-from tierstore.errors import MisuseError, TierstoreTypeError, TierstoreValueError
+from tierstore.errors import MisuseError, TierstoreValueError
 from tierstore.zero import Init, OffloadConfig, Zero3Optimizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -190,6 +190,7 @@ def test_bad_nvme_paths_are_refused_naming_the_argument(paths):
 
 
 def test_config_fields_are_checked_by_name():
+    from tierstore.errors import TierstoreTypeError
     with pytest.raises(TierstoreValueError, match="unknown_field"):
         OffloadConfig(unknown_field=1)
     with pytest.raises(TypeError):  # still what Python's own refusal was
