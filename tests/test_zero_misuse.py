@@ -158,6 +158,32 @@ def test_a_closed_optimizers_model_is_refused_until_it_holds_values(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_a_failed_construction_leaves_the_model_and_the_directory_free(tmp_path, monkeypatch):
+    """A constructor that raises after its hooks are on the model (here hpZ's attach) takes them back, with
+    its registration and its store: the model keeps its values and no hook, and the next optimizer takes it
+    on the same directory (the store used to stay open, its directory locked, the hooks on the model)."""
+    from tierstore.zero import hpz
+    ref, m = make_pair()
+    real = hpz.Hpz.attach
+
+    def boom(*a, **k):
+        raise RuntimeError("attach failed")
+
+    monkeypatch.setattr(hpz.Hpz, "attach", boom)
+    with pytest.raises(RuntimeError, match="attach failed"):
+        _opt(tmp_path, model=m)
+    monkeypatch.setattr(hpz.Hpz, "attach", real)
+    assert "zero_grad" not in m.__dict__
+    assert all(not (mod._forward_pre_hooks or mod._forward_hooks) for mod in m.modules())
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters(), strict=True))
+    want = _losses(Zero3Optimizer(ref, torch.optim.AdamW, config=cfg(tmp_path / "ref"), lr=1e-2), ref)
+    opt = _opt(tmp_path, model=m)
+    assert _losses(opt, m) == pytest.approx(want, rel=1e-5)
+    opt.close()
+    from tierstore.zero import registry
+    assert all(o is not None and o.store is not None for o in registry.open_optimizers())
+
+
 def test_release_model_hands_the_trained_values_back_for_a_new_optimizer(tmp_path):
     """release_model(opt): the model holds the values opt stepped to (fp32 masters: torch's AdamW run, within
     parity), is a plain model again, and a new optimizer takes it and trains on."""
@@ -201,10 +227,15 @@ def test_config_fields_are_checked_by_name():
         OffloadConfig(nvme_path="/x")
     with pytest.raises(TierstoreValueError, match="pinned_bytes"):
         OffloadConfig().replace(pinned_byte=1)
-    for name, v in (("quantized_weights", 1), ("initial_loss_scale", "big"), ("intra_node_size", 0),
-                    ("activation_budget_bytes", -1), ("min_loss_scale", float("nan"))):
+    nvme = {"activation_offload": "nvme", "nvme_paths": ["/x"]}
+    for name, kw in (("activation_compress", {"activation_compress": "int8"}),  # host activations
+                     ("activation_compress", {"activation_compress": "bogus", **nvme}),
+                     ("quantized_weights", {"quantized_weights": 1}),
+                     ("initial_loss_scale", {"initial_loss_scale": "big"}), ("intra_node_size", {"intra_node_size": 0}),
+                     ("activation_budget_bytes", {"activation_budget_bytes": -1}),
+                     ("min_loss_scale", {"min_loss_scale": float("nan")})):
         with pytest.raises(TierstoreValueError, match=name):
-            OffloadConfig(**{name: v})
+            OffloadConfig(**kw)
     assert OffloadConfig(nvme_paths=os.path.join("a", "b")).nvme_paths == [os.path.join("a", "b")]
 
 

@@ -178,6 +178,18 @@ class OffloadConfig:
                                       "'checkpoint'")
         if self.activation_offload == "nvme" and not self.nvme_paths:
             raise TierstoreValueError("OffloadConfig(activation_offload='nvme') needs nvme_paths=['/path/on/nvme']")
+        c = self.activation_compress
+        if c is not None:
+            if self.activation_offload != "nvme":
+                raise TierstoreValueError(f"OffloadConfig(activation_compress={c!r}) applies to "
+                                          f"activation_offload='nvme'; leave it None otherwise")
+            if c != "bf16":
+                from ..quant import schemes
+                try:
+                    schemes.get(c)
+                except TierstoreValueError as e:
+                    raise TierstoreValueError(f"OffloadConfig(activation_compress={c!r}): None, 'bf16' or a "
+                                              f"quantization scheme; {e}") from None
         if self.io_tuning is not None:
             from ..io import Tuning
             Tuning.coerce(self.io_tuning)  # a bad file is refused here, naming it

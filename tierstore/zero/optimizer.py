@@ -39,7 +39,7 @@ import torch
 from ..errors import MisuseError, TierstoreValueError
 from ..store import Store
 from ..tiers import tier_info
-from . import _dist, clip, keys, registry, scratch, validate
+from . import _dist, clip, keys, registry, release, scratch, validate
 from ._layout import Layout
 from .config import OffloadConfig
 from .disk_bytes import KINDS, DiskBytes
@@ -151,9 +151,17 @@ class Zero3Optimizer(torch.optim.Optimizer):
     process_group: the data-parallel group (default: the whole world when torch.distributed is initialised).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer_class, *, config: OffloadConfig | None = None,
+    def __init__(self, model: torch.nn.Module, optimizer_class, *, config: OffloadConfig | dict | None = None,
                  param_groups: list[dict] | None = None, process_group=None, elementwise_ok: bool = False,
                  **optimizer_kwargs):
+        try:  # a failed construction takes back what it did ([Note: a failed construction] in release.py)
+            self._build(model, optimizer_class, config, param_groups, process_group, elementwise_ok, optimizer_kwargs)
+        except BaseException:
+            release.abandon(self)
+            raise
+
+    def _build(self, model: torch.nn.Module, optimizer_class, config: OffloadConfig | dict | None,
+               param_groups: list[dict] | None, process_group, elementwise_ok: bool, optimizer_kwargs: dict) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TierstoreValueError(f"model must be the nn.Module to partition; got {type(model).__name__}. "
                                       f"Zero3Optimizer needs the module to install its gather/release hooks")
@@ -422,31 +430,25 @@ class Zero3Optimizer(torch.optim.Optimizer):
         filled with what this rank holds and reduce-scattered; see [Note: streaming Init at world size N]."""
         from .init import reduce_scatter_exact
         cfg = self.config
-        try:
-            sliced = self._init_sliced_gids()
-            for gl in self.layout.groups:
-                for bi, b in enumerate(gl.plan.buckets):
-                    gid = gl.gids[bi]
-                    # sliced: the whole bucket, zero bits where other ranks supply the value; else this shard
-                    lo, hi = (0, b.numel) if gid in sliced else (b.shard_slice(self.rank).start,
-                                                                   b.shard_slice(self.rank).stop)
-                    buf = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
-                    for pc, start, stop in b.overlapping(lo, hi):
-                        at = pc.param_offset + start - pc.offset
-                        self._take_range(pc.name, at, at + stop - start, buf[start - lo:stop - lo],
-                                         sliced=gid in sliced)
-                    master = reduce_scatter_exact(buf, self.group) if gid in sliced else buf
-                    del buf
-                    if gl.trainable:
-                        self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
-                    if not (gl.trainable and self._shared_master):
-                        self.store.put(keys.param(gid), master.to(cfg.compute_dtype), tier=cfg.params)
-                    del master
-        except BaseException:  # the constructor fails: leave no store (nor temporary directory) behind
-            self.store.close(flush=False)
-            if self._tmpdir:
-                shutil.rmtree(self._tmpdir, ignore_errors=True)
-            raise
+        sliced = self._init_sliced_gids()
+        for gl in self.layout.groups:
+            for bi, b in enumerate(gl.plan.buckets):
+                gid = gl.gids[bi]
+                # sliced: the whole bucket, zero bits where other ranks supply the value; else this shard
+                lo, hi = (0, b.numel) if gid in sliced else (b.shard_slice(self.rank).start,
+                                                               b.shard_slice(self.rank).stop)
+                buf = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+                for pc, start, stop in b.overlapping(lo, hi):
+                    at = pc.param_offset + start - pc.offset
+                    self._take_range(pc.name, at, at + stop - start, buf[start - lo:stop - lo],
+                                     sliced=gid in sliced)
+                master = reduce_scatter_exact(buf, self.group) if gid in sliced else buf
+                del buf
+                if gl.trainable:
+                    self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
+                if not (gl.trainable and self._shared_master):
+                    self.store.put(keys.param(gid), master.to(cfg.compute_dtype), tier=cfg.params)
+                del master
 
     # -- store access --------------------------------------------------------------------------------------
     def _lend_param_shard(self, gid: int):
@@ -947,9 +949,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if self.hpz is not None:
             self.hpz.remove()
         clip.unregister(self)
-        zero_grad = getattr(self, "_model_zero_grad", None)  # absent when construction failed before it
-        if zero_grad is not None and self.model.__dict__.get("zero_grad") is zero_grad:
-            del self.model.zero_grad  # the class's own again
+        release.restore_zero_grad(self)  # the class's own again
         self.coordinator.remove()
         self.module_state.remove()
         if self._stream is not None:

@@ -14,10 +14,15 @@ model). Optimizer states are not carried over (save a checkpoint for that).
 """
 from __future__ import annotations
 
+import logging
+import shutil
+
 import torch
 
 from ..errors import MisuseError
-from . import _dist, registry
+from . import _dist, clip, registry
+
+log = logging.getLogger("tierstore.zero")
 
 
 def release_model(opt) -> torch.nn.Module:
@@ -46,3 +51,44 @@ def release_model(opt) -> torch.nn.Module:
         if hasattr(p, registry.RELEASED):
             delattr(p, registry.RELEASED)
     return model
+
+
+def abandon(opt) -> None:
+    """Undo a Zero3Optimizer construction that raised; see [Note: a failed construction].
+
+    [Note: a failed construction]
+    The constructor opens a store, registers the optimizer and installs hooks on the model before it is
+    done; one that raises half-way (a failing disk, an argument only a later part checks) must not leave
+    them: the model would keep hooks of an optimizer nobody holds, be refused to the next one ([Note: one
+    optimizer per model] in registry.py), and the store would keep its directories locked. So whatever the
+    construction made is taken back -- hooks, registration, the model's zero_grad, threads, the store, a
+    temporary directory -- each part as far as it got, the first error of the teardown logged, never
+    raised over the constructor's own. The parameters keep their values: they are emptied only at the
+    constructor's very end."""
+    steps = [
+        lambda: opt.hpz.remove() if getattr(opt, "hpz", None) is not None else None,
+        lambda: clip.unregister(opt),
+        lambda: restore_zero_grad(opt),
+        lambda: opt.coordinator.remove() if hasattr(opt, "coordinator") else None,
+        lambda: opt.module_state.remove() if hasattr(opt, "module_state") else None,
+        lambda: opt._stream.close() if getattr(opt, "_stream", None) is not None else None,
+        lambda: opt.activations.close() if getattr(opt, "activations", None) is not None else None,
+        lambda: opt._stepper.close() if hasattr(opt, "_stepper") else None,
+        lambda: opt.store.close(flush=False) if getattr(opt, "store", None) is not None else None,
+    ]
+    for step in steps:
+        try:
+            step()
+        except Exception:  # the constructor's error is the one to see
+            log.warning("Zero3Optimizer: undoing a failed construction", exc_info=True)
+    opt.store = None
+    if getattr(opt, "_tmpdir", None):
+        shutil.rmtree(opt._tmpdir, ignore_errors=True)
+
+
+def restore_zero_grad(opt) -> None:
+    """Give `opt`'s model its class's own zero_grad back (if `opt` replaced it)."""
+    zero_grad = getattr(opt, "_model_zero_grad", None)
+    model = getattr(opt, "model", None)
+    if zero_grad is not None and model is not None and model.__dict__.get("zero_grad") is zero_grad:
+        del model.zero_grad
