@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import pathlib
 import weakref
 
 import pytest
@@ -281,3 +282,37 @@ def test_a_deepspeed_nvme_path_that_is_not_a_string_is_refused_naming_the_key(pa
     ds = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path}}}
     with pytest.raises(TierstoreValueError, match="offload_param.nvme_path"):
         OffloadConfig.from_deepspeed(ds)
+
+
+def _rank_release(rank, world, root):
+    from tierstore.zero import release_model
+    torch.manual_seed(0)
+    _, m = make_pair()
+    c = cfg(pathlib.Path(root), params="nvme", states="nvme", grads="host")  # one nvme_path: rank0/, rank1/
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=c)
+    for x, y in batches(2, bs=24):
+        half = x.shape[0] // world
+        loss_fn(m, x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]).backward()
+        opt.step()
+        opt.zero_grad()
+    release_model(opt)  # a collective
+    full = {n: p.detach().clone() for n, p in m.named_parameters()}
+    opt2 = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=c)  # takes the model over, same directories
+    x, y = batches(1, seed=5)[0]
+    loss = loss_fn(m, x, y)
+    loss.backward()
+    opt2.step()
+    opt2.close()
+    return full, loss.item()
+
+
+def test_release_model_at_world_2(tmp_path):
+    """Every rank gets the whole trained model (torch's AdamW on the full batch, within parity) from
+    release_model, and a new optimizer takes it over on the same scratch directories, one per rank."""
+    from tests.support import max_rel, reference, run_ranks
+    out = run_ranks(_rank_release, 2, str(tmp_path))
+    ref = reference(torch.optim.AdamW, {"lr": 1e-2}, 2)
+    for full, loss in out:
+        assert max_rel(full, ref) <= 1e-5 and loss == out[0][1]
+    for r in (0, 1):
+        assert (tmp_path / "nvme" / f"rank{r}" / "tierstore-scratch.json").exists()
