@@ -30,7 +30,7 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CLIP_MODES = ("exact", "previous_norm")
 
 
-@known_fields  # an unknown field is a TierstoreValueError naming it, not Python's TypeError
+@known_fields  # an unknown field is a TierstoreTypeError naming it and the closest field
 @dataclass
 class OffloadConfig:
     """Where ZeRO-3 keeps things, per rank.
@@ -219,11 +219,11 @@ class OffloadConfig:
                                           "tierstore.zero.from_deepspeed(ds_config, ...).build_optimizer(model)")
             bad = [k for k in config if not isinstance(k, str)]
             if bad:
-                raise TierstoreValueError(f"{argument}: the keys of a config dict are OffloadConfig's field names; "
-                                          f"got {bad[0]!r}")
+                raise TierstoreTypeError(f"{argument}: the keys of a config dict are OffloadConfig's field names; "
+                                         f"got {bad[0]!r}")
             return cls(**config)
         raise TierstoreTypeError(f"{argument}={config!r}: pass a tierstore.zero.OffloadConfig (or a dict of its "
-                                  f"fields, or None for the defaults); got {type(config).__name__}")
+                                 f"fields, or None for the defaults); got {type(config).__name__}")
 
     @property
     def reuse_budget(self) -> int:
