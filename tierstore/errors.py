@@ -110,5 +110,10 @@ class TierstoreValueError(TierstoreError, ValueError):
     """Bad input: the message names the argument and what would be accepted."""
 
 
+class TierstoreTypeError(TierstoreValueError, TypeError):
+    """Bad input of a kind Python itself refuses with TypeError (an unknown keyword argument, a value of the
+    wrong type): a TierstoreValueError that code catching TypeError still catches."""
+
+
 class MisuseError(TierstoreError, RuntimeError):
     """An object was used in a state that does not allow it (closed, dropped...); the message says what to do."""

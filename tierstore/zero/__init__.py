@@ -12,7 +12,10 @@ from .gathered import GatheredParameters
 from .hooks import register_external_parameter
 from .init import Init
 from .optimizer import Zero3Optimizer
+from .registry import optimizer_of
+from .release import release_model
 from .tiled import TiledLinear
 
 __all__ = ["DeepSpeedSetup", "GatheredParameters", "Init", "OffloadConfig", "TiledLinear", "Zero3Optimizer",
-           "consolidate", "from_deepspeed", "register_external_parameter", "rng_state", "set_rng_state"]
+           "consolidate", "from_deepspeed", "optimizer_of", "register_external_parameter", "release_model",
+           "rng_state", "set_rng_state"]

@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
-from ..errors import TierstoreValueError
+from ..errors import TierstoreTypeError, TierstoreValueError
 from ..tiers import TIERS, tier_info
+from . import validate
+from .validate import known_fields
 
 log = logging.getLogger("tierstore.zero")
 
@@ -28,6 +30,7 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CLIP_MODES = ("exact", "previous_norm")
 
 
+@known_fields  # an unknown field is a TierstoreTypeError naming it and the closest field
 @dataclass
 class OffloadConfig:
     """Where ZeRO-3 keeps things, per rank.
@@ -126,8 +129,7 @@ class OffloadConfig:
             v = getattr(self, name)
             if v not in TIERS:
                 raise TierstoreValueError(f"OffloadConfig({name}={v!r}): use one of {TIERS}")
-        if isinstance(self.nvme_paths, str):
-            self.nvme_paths = [self.nvme_paths]
+        self.nvme_paths = validate.nvme_paths(self.nvme_paths)
         if self.uses_nvme and not self.nvme_paths:
             raise TierstoreValueError("OffloadConfig: a tier is 'nvme' but nvme_paths is empty; pass "
                                       "nvme_paths=['/path/on/nvme'] (one directory per drive)")
@@ -176,11 +178,52 @@ class OffloadConfig:
                                       "'checkpoint'")
         if self.activation_offload == "nvme" and not self.nvme_paths:
             raise TierstoreValueError("OffloadConfig(activation_offload='nvme') needs nvme_paths=['/path/on/nvme']")
+        c = self.activation_compress
+        if c is not None:
+            if self.activation_offload != "nvme":
+                raise TierstoreValueError(f"OffloadConfig(activation_compress={c!r}) applies to "
+                                          f"activation_offload='nvme'; leave it None otherwise")
+            if c != "bf16":
+                from ..quant import schemes
+                try:
+                    schemes.get(c)
+                except TierstoreValueError as e:
+                    raise TierstoreValueError(f"OffloadConfig(activation_compress={c!r}): None, 'bf16' or a "
+                                              f"quantization scheme; {e}") from None
         if self.io_tuning is not None:
             from ..io import Tuning
             Tuning.coerce(self.io_tuning)  # a bad file is refused here, naming it
-        if not self.initial_loss_scale > 0 or not self.min_loss_scale > 0:
-            raise TierstoreValueError("OffloadConfig: initial_loss_scale and min_loss_scale must be > 0")
+        for name in ("initial_loss_scale", "min_loss_scale"):
+            validate.number("OffloadConfig", name, getattr(self, name), positive=True)
+        for name in ("quantized_weights", "quantized_gradients"):
+            validate.flag("OffloadConfig", name, getattr(self, name))
+        validate.integer("OffloadConfig", "intra_node_size", self.intra_node_size, 1, none_ok=True,
+                         meaning=" (ranks per node; None: all)")
+        validate.integer("OffloadConfig", "activation_budget_bytes", self.activation_budget_bytes, 0, none_ok=True,
+                         meaning=" (bytes; None: no limit)")
+        if not isinstance(self.extra, dict):
+            raise TierstoreValueError(f"OffloadConfig(extra={self.extra!r}): a dict")
+
+    @classmethod
+    def coerce(cls, config: Any, argument: str = "config") -> OffloadConfig:
+        """`config` as an OffloadConfig: one already, None (the defaults), or a dict of its fields (an unknown
+        key is refused naming it); anything else is a TierstoreValueError naming `argument`."""
+        if config is None:
+            return cls()
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, Mapping):
+            if any(k in config for k in ("zero_optimization", "train_batch_size", "optimizer", "fp16", "bf16")):
+                raise TierstoreValueError(f"{argument}= looks like a DeepSpeed config; pass "
+                                          f"{argument}=OffloadConfig.from_deepspeed(ds_config), or use "
+                                          "tierstore.zero.from_deepspeed(ds_config, ...).build_optimizer(model)")
+            bad = [k for k in config if not isinstance(k, str)]
+            if bad:
+                raise TierstoreTypeError(f"{argument}: the keys of a config dict are OffloadConfig's field names; "
+                                         f"got {bad[0]!r}")
+            return cls(**config)
+        raise TierstoreTypeError(f"{argument}={config!r}: pass a tierstore.zero.OffloadConfig (or a dict of its "
+                                 f"fields, or None for the defaults); got {type(config).__name__}")
 
     @property
     def reuse_budget(self) -> int:
@@ -304,6 +347,9 @@ def load_deepspeed(ds_config) -> dict:
                 ds_config = json.load(f)
         except OSError as e:
             raise TierstoreValueError(f"cannot read the DeepSpeed config {os.fspath(ds_config)!r}: {e}") from e
+        except RecursionError:
+            raise TierstoreValueError(f"the DeepSpeed config {os.fspath(ds_config)!r} is nested too deeply to be "
+                                      "a DeepSpeed config (its sections are a few levels deep)") from None
         except json.JSONDecodeError as e:
             raise TierstoreValueError(f"the DeepSpeed config {os.fspath(ds_config)!r} is not valid JSON: {e}") \
                 from e
@@ -382,7 +428,9 @@ def map_deepspeed(ds_config, overrides: Mapping[str, Any]) -> MappedDeepSpeed:
             if not p:
                 raise TierstoreValueError(f"zero_optimization.{sec_name}.device is 'nvme' but "
                                           f"{sec_name}.nvme_path is missing: set it to a directory on the drive")
-            paths.append(str(p))
+            if not isinstance(p, str):
+                raise TierstoreValueError(f"zero_optimization.{sec_name}.nvme_path={p!r}: a directory path (a string)")
+            paths.append(p)
         sec.pop("pin_memory", None)  # the nvme tier always stages through pinned memory
         ignored += [f"zero_optimization.{sec_name}.{k}" for k in sec]
         kw[fld] = _OFFLOAD_DEVICES[dev] or "device"

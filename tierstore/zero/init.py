@@ -82,7 +82,7 @@ import torch
 
 from ..errors import MisuseError
 from ..store import Store
-from . import _dist
+from . import _dist, scratch
 from .config import OffloadConfig
 
 CHUNK_MIN_BYTES = 1 << 20  # a stored chunk of a slice holds max(sub_group_bytes, this) bytes (see _offload)
@@ -210,7 +210,7 @@ class Init:
     rank keeps 1/N of every parameter ([Note: streaming Init at world size N])."""
 
     def __init__(self, config: OffloadConfig | None = None, *, enabled: bool = True, process_group=None):
-        self.config = config if config is not None else OffloadConfig()
+        self.config = OffloadConfig.coerce(config)
         self.enabled = enabled
         self.group = process_group
         self.world_size, self.rank = 1, 0
@@ -240,7 +240,8 @@ class Init:
         cfg = self.config
         self.world_size, self.rank = _dist.world_and_rank(self.group)
         if cfg.nvme_paths:
-            paths = [os.path.join(p, f"init-rank{self.rank}") for p in cfg.nvme_paths]
+            # [Note: scratch directories are marked] in scratch.py: removed by _close, so only its own
+            paths = [scratch.claim(os.path.join(p, f"init-rank{self.rank}"), "zero.Init") for p in cfg.nvme_paths]
         else:
             paths = [tempfile.mkdtemp(prefix="tierstore-init-")]
         self._dirs = paths

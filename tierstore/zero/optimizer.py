@@ -39,7 +39,7 @@ import torch
 from ..errors import MisuseError, TierstoreValueError
 from ..store import Store
 from ..tiers import tier_info
-from . import _dist, clip, keys
+from . import _dist, clip, keys, registry, release, scratch, validate
 from ._layout import Layout
 from .config import OffloadConfig
 from .disk_bytes import KINDS, DiskBytes
@@ -151,14 +151,23 @@ class Zero3Optimizer(torch.optim.Optimizer):
     process_group: the data-parallel group (default: the whole world when torch.distributed is initialised).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer_class, *, config: OffloadConfig | None = None,
+    def __init__(self, model: torch.nn.Module, optimizer_class, *, config: OffloadConfig | dict | None = None,
                  param_groups: list[dict] | None = None, process_group=None, elementwise_ok: bool = False,
                  **optimizer_kwargs):
+        try:  # a failed construction takes back what it did ([Note: a failed construction] in release.py)
+            self._build(model, optimizer_class, config, param_groups, process_group, elementwise_ok, optimizer_kwargs)
+        except BaseException:
+            release.abandon(self)
+            raise
+
+    def _build(self, model: torch.nn.Module, optimizer_class, config: OffloadConfig | dict | None,
+               param_groups: list[dict] | None, process_group, elementwise_ok: bool, optimizer_kwargs: dict) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TierstoreValueError(f"model must be the nn.Module to partition; got {type(model).__name__}. "
                                       f"Zero3Optimizer needs the module to install its gather/release hooks")
+        registry.check_unowned(model)  # [Note: one optimizer per model] in registry.py
         _check_elementwise(optimizer_class, elementwise_ok)
-        self.config = config = config if config is not None else OffloadConfig()
+        self.config = config = OffloadConfig.coerce(config)
         self.model = model
         self.group = process_group
         self.world_size, self.rank = _dist.world_and_rank(process_group)
@@ -191,25 +200,25 @@ class Zero3Optimizer(torch.optim.Optimizer):
                                           f"parameters only")
             shapes[name] = shape
         groups = self._normalise_groups(param_groups, by_id)
+        validate.optimizer_arguments(optimizer_class, optimizer_kwargs, [o for _n, o in groups], self.device)
         self.layout = Layout([(n, shapes[n], cdt, p.requires_grad) for n, p in self._params.items()], groups,
                              self.world_size, min_io_bytes=config.min_io_bytes, bucket_bytes=config.sub_group_bytes)
-        for _n, b in model.named_buffers():
-            if b.is_floating_point() and b.dtype != cdt:
-                b.data = b.data.to(cdt)
         # -- the store --------------------------------------------------------------------------------
-        self._tmpdir = None
-        if config.nvme_paths:
-            paths = [os.path.join(p, f"rank{self.rank}") for p in config.nvme_paths]
+        self._tmpdir, act_paths = None, None
+        if config.nvme_paths:  # [Note: scratch directories are marked] in scratch.py
+            paths, act_paths = scratch.claim_optimizer_dirs(config.nvme_paths, self.rank,
+                                                            activations=config.activation_offload == "nvme")
         else:
             self._tmpdir = tempfile.mkdtemp(prefix="tierstore-zero-")
             paths = [self._tmpdir]
         tiers = {config.params, config.optimizer_states, config.gradients}
-        # A previous run's states are not this run's: the store starts empty (checkpoints live elsewhere). It
-        # discards them itself, after it has locked every directory, so an optimizer started on directories
-        # another one is using gets MisuseError and changes nothing.
+        # starts empty (a previous run's states are not this run's) once it locked every directory (else MisuseError)
         self.store = Store(paths, device_budget=None if "device" in tiers else 0,
                            host_budget=None if "host" in tiers else 0, pinned_budget=config.pinned_bytes,
                            device=self.device, io_tuning=config.io_tuning, _fresh=True)
+        for _n, b in model.named_buffers():
+            if b.is_floating_point() and b.dtype != cdt:
+                b.data = b.data.to(cdt)
         policy = None
         if config.state_codec == "dynamic8":
             from ..quant.states import StatePolicy
@@ -304,8 +313,6 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self.activations = None  # tierstore.ActivationOffload when config.activation_offload is set
         if config.activation_offload is not None:
             from ..activations import ActivationOffload
-            act_paths = [os.path.join(p, f"activations-rank{self.rank}") for p in config.nvme_paths] \
-                if config.activation_offload == "nvme" and config.nvme_paths else None
             self.activations = ActivationOffload(
                 config.activation_offload, paths=act_paths, mode=config.activation_mode,
                 budget_bytes=config.activation_budget_bytes, compress=config.activation_compress)
@@ -423,31 +430,25 @@ class Zero3Optimizer(torch.optim.Optimizer):
         filled with what this rank holds and reduce-scattered; see [Note: streaming Init at world size N]."""
         from .init import reduce_scatter_exact
         cfg = self.config
-        try:
-            sliced = self._init_sliced_gids()
-            for gl in self.layout.groups:
-                for bi, b in enumerate(gl.plan.buckets):
-                    gid = gl.gids[bi]
-                    # sliced: the whole bucket, zero bits where other ranks supply the value; else this shard
-                    lo, hi = (0, b.numel) if gid in sliced else (b.shard_slice(self.rank).start,
-                                                                   b.shard_slice(self.rank).stop)
-                    buf = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
-                    for pc, start, stop in b.overlapping(lo, hi):
-                        at = pc.param_offset + start - pc.offset
-                        self._take_range(pc.name, at, at + stop - start, buf[start - lo:stop - lo],
-                                         sliced=gid in sliced)
-                    master = reduce_scatter_exact(buf, self.group) if gid in sliced else buf
-                    del buf
-                    if gl.trainable:
-                        self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
-                    if not (gl.trainable and self._shared_master):
-                        self.store.put(keys.param(gid), master.to(cfg.compute_dtype), tier=cfg.params)
-                    del master
-        except BaseException:  # the constructor fails: leave no store (nor temporary directory) behind
-            self.store.close(flush=False)
-            if self._tmpdir:
-                shutil.rmtree(self._tmpdir, ignore_errors=True)
-            raise
+        sliced = self._init_sliced_gids()
+        for gl in self.layout.groups:
+            for bi, b in enumerate(gl.plan.buckets):
+                gid = gl.gids[bi]
+                # sliced: the whole bucket, zero bits where other ranks supply the value; else this shard
+                lo, hi = (0, b.numel) if gid in sliced else (b.shard_slice(self.rank).start,
+                                                               b.shard_slice(self.rank).stop)
+                buf = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+                for pc, start, stop in b.overlapping(lo, hi):
+                    at = pc.param_offset + start - pc.offset
+                    self._take_range(pc.name, at, at + stop - start, buf[start - lo:stop - lo],
+                                     sliced=gid in sliced)
+                master = reduce_scatter_exact(buf, self.group) if gid in sliced else buf
+                del buf
+                if gl.trainable:
+                    self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
+                if not (gl.trainable and self._shared_master):
+                    self.store.put(keys.param(gid), master.to(cfg.compute_dtype), tier=cfg.params)
+                del master
 
     # -- store access --------------------------------------------------------------------------------------
     def _lend_param_shard(self, gid: int):
@@ -948,9 +949,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if self.hpz is not None:
             self.hpz.remove()
         clip.unregister(self)
-        zero_grad = getattr(self, "_model_zero_grad", None)  # absent when construction failed before it
-        if zero_grad is not None and self.model.__dict__.get("zero_grad") is zero_grad:
-            del self.model.zero_grad  # the class's own again
+        release.restore_zero_grad(self)  # the class's own again
         self.coordinator.remove()
         self.module_state.remove()
         if self._stream is not None:
@@ -958,6 +957,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         if self.activations is not None:
             self.activations.close()
         self._stepper.close()
+        registry.mark_released(self._params.values(), repr(self))  # [Note: one optimizer per model]
         self.store.close(flush=False)
         self.store = None  # type: ignore[assignment]  # None marks it closed; a Store for as long as it is open
         # the checkpoint directories it writes pass on ([Note: one writer per checkpoint directory] in ckpt_dir.py)

@@ -1,11 +1,31 @@
-"""The Zero3Optimizers that are open, weakly held: who manages a given parameter (clip.py, gathered.py)."""
+"""The Zero3Optimizers that are open, weakly held: who manages a given parameter (clip.py, gathered.py), and
+the one-optimizer-per-model rule.
+
+[Note: one optimizer per model]
+A Zero3Optimizer partitions its model's parameters (their ``.data`` emptied, their values in its store) and
+installs its hooks on every module. A second one built on the same model (a notebook cell run twice) would
+partition the emptied parameters and add a second set of hooks: both would gather, release and reduce, and
+training would silently follow neither. So a model any of whose parameters an open optimizer manages is
+refused up front, before anything is touched, with MisuseError naming that optimizer. ``close()`` removes
+its hooks and takes it out of this registry, but the parameters stay empty (their values were in its store,
+and putting a whole model back in memory is not what closing should do): a model whose parameters a closed
+optimizer emptied is refused too. ``release_model(opt)`` closes it and gives the values back ([Note:
+releasing a model] in release.py); then a new optimizer takes the model. The registry holds optimizers
+weakly; an optimizer dropped without close() stays alive, and the model's owner, as long as the model does
+(its hooks hold it), so ``optimizer_of(model)`` finds it to close it.
+"""
 from __future__ import annotations
 
 import threading
 import weakref
 
+import torch
+
+from ..errors import MisuseError
+
 _lock = threading.Lock()
 _open: weakref.WeakSet = weakref.WeakSet()
+RELEASED = "_tierstore_released"  # attribute of a parameter a closed optimizer emptied: that optimizer's repr
 
 
 def add(opt) -> int:
@@ -30,3 +50,37 @@ def open_optimizers() -> list:
 def owners(ids: set[int]) -> list:
     """The open optimizers managing any parameter whose id() is in `ids`."""
     return [o for o in open_optimizers() if not ids.isdisjoint(o.managed_param_ids())]
+
+
+def optimizer_of(model: torch.nn.Module):
+    """The open Zero3Optimizer that partitions `model`'s parameters (any of them), or None."""
+    found = owners({id(p) for p in model.parameters()})
+    return found[0] if found else None
+
+
+def mark_released(params, closed_by: str) -> None:
+    """An optimizer (repr `closed_by`) is closing: its `params` stay empty, their values gone with its store."""
+    for p in params:
+        if p.numel() == 0:
+            setattr(p, RELEASED, closed_by)
+
+
+def check_unowned(model: torch.nn.Module) -> None:
+    """Refuse `model` per [Note: one optimizer per model]: another optimizer manages it, or a closed one
+    emptied its parameters."""
+    first = optimizer_of(model)
+    if first is not None:
+        raise MisuseError(
+            f"this model is already partitioned by {first!r} (object at {id(first):#x}), which is open; one "
+            f"Zero3Optimizer per model (two would both hook it, and training would follow neither). Keep using "
+            f"that one (its settings can change through its param_groups), or hand the model back with "
+            f"tierstore.zero.release_model(first) -- it closes that optimizer and puts the parameters' values "
+            f"back into the model (every rank calls it) -- and build the new one then. "
+            f"tierstore.zero.optimizer_of(model) returns that optimizer")
+    for name, p in model.named_parameters():
+        closed_by = getattr(p, RELEASED, None)
+        if closed_by is not None and p.numel() == 0:
+            raise MisuseError(
+                f"parameter {name!r} of this model is empty: {closed_by} partitioned it and was closed, and its "
+                f"values went with it. Build the model again for a new optimizer; to keep the values, hand a "
+                f"model back with tierstore.zero.release_model(opt) instead of opt.close()")
