@@ -961,8 +961,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         self.store.close(flush=False)
         self.store = None  # type: ignore[assignment]  # None marks it closed; a Store for as long as it is open
         # the checkpoint directories it writes pass on ([Note: one writer per checkpoint directory] in ckpt_dir.py)
-        from .ckpt_dir import release
-        release(self)
+        from .ckpt_dir import release as release_checkpoint_dirs
+        release_checkpoint_dirs(self)
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
