@@ -1,0 +1,208 @@
+"""Offloaded inference (tierstore.zero.offload_for_inference): forward and greedy generate equal to the model in
+memory bit for bit in fp32 (GPT-2 and Llama from configs; host and nvme; built plainly, under zero.Init, with
+from_pretrained under Init, or from a safetensors checkpoint onto meta parameters); a damaged weight file
+raises the store's CorruptionError naming the parameters; the weights materialised at once stay within the
+budget on a model several times the budget. See [Note: inference over the ZeRO-3 hooks] in
+tierstore/zero/inference.py."""
+from __future__ import annotations
+
+import copy
+import os
+import pathlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.support import Deep, cfg, peak_growth, rss_follows_live_memory, run_isolated
+from tierstore.errors import CorruptionError, MisuseError, TierstoreValueError
+from tierstore.zero import Init, offload_for_inference
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+transformers.logging.set_verbosity_error()
+
+
+def _gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=3, n_head=2, n_embd=32, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=1))
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=96, max_position_embeddings=64, bos_token_id=0, eos_token_id=1))
+
+
+IDS = torch.randint(2, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+def _reference(model):
+    with torch.no_grad():
+        logits = model(IDS).logits.clone()
+        tokens = model.generate(IDS, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    return logits, tokens
+
+
+def _budget(model) -> int:
+    return 2 * sum(p.numel() * 4 for p in model.parameters()) // 3  # less than the model: it must be paged
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("under_init", [False, True], ids=["plain", "init"])
+@pytest.mark.parametrize("build", [_gpt2, _llama])
+def test_forward_and_generate_equal_the_model_in_memory(tmp_path, build, under_init, tier):
+    torch.manual_seed(0)
+    ref = build().eval()
+    logits, tokens = _reference(ref)
+    torch.manual_seed(0)
+    if under_init:
+        with Init(cfg(tmp_path / "i", params=tier)):
+            m = build().eval()
+    else:
+        m = copy.deepcopy(ref)
+    with offload_for_inference(m, tier=tier, nvme_path=tmp_path / "w", budget_bytes=_budget(ref)) as off:
+        assert all(p.data.numel() == 0 for p in m.parameters())  # the values are the store's
+        with torch.no_grad():
+            assert torch.equal(m(IDS).logits, logits)
+        with torch.inference_mode():
+            assert torch.equal(m(IDS).logits, logits)
+        out = m(IDS).logits  # grad mode on: nothing is recorded for a backward
+        assert torch.equal(out, logits) and not out.requires_grad
+        assert torch.equal(m.generate(IDS, max_new_tokens=8, do_sample=False, pad_token_id=0), tokens)
+        st = off.stats()
+        assert st.forwards == 3 + 8
+        if tier == "nvme":  # read ahead of the modules that used them
+            assert st.prefetch_hits > 0 and st.fetches >= 11 and 0 < st.peak_resident_bytes <= _budget(ref)
+        else:  # the store lends its own host copies: nothing read, nothing more resident
+            assert st.fetches == 0 and st.peak_resident_bytes == 0
+        assert all(p.data.numel() == 0 for p in m.parameters())  # released after each forward
+    assert not os.listdir(tmp_path / "w") if tier == "nvme" else True  # close() removed the weight files
+
+
+def test_from_pretrained_under_init_then_checkpoint_onto_meta_parameters(tmp_path):
+    torch.manual_seed(0)
+    ref = _gpt2()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p))  # values no initialisation gives: they must come from the file
+    ref.save_pretrained(str(tmp_path / "saved"))
+    ref = type(ref).from_pretrained(str(tmp_path / "saved")).eval()
+    logits, tokens = _reference(ref)
+    with Init(cfg(tmp_path / "i", params="nvme")):
+        m = type(ref).from_pretrained(str(tmp_path / "saved")).eval()
+    with offload_for_inference(m, nvme_path=tmp_path / "w", budget_bytes=_budget(ref)):
+        with torch.no_grad():
+            assert torch.equal(m(IDS).logits, logits)
+        assert torch.equal(m.generate(IDS, max_new_tokens=8, do_sample=False, pad_token_id=0), tokens)
+    # parameters on the meta device (buffers real), values from the safetensors file one tensor at a time
+    from accelerate import init_empty_weights
+    with init_empty_weights():
+        m2 = type(ref)(ref.config).eval()
+    m2.tie_weights()  # as from_pretrained does: the file holds the tied weight once
+    assert all(p.is_meta for p in m2.parameters())
+    with offload_for_inference(m2, nvme_path=tmp_path / "w", budget_bytes=_budget(ref),
+                               checkpoint=tmp_path / "saved") as off:
+        assert m2.lm_head.weight is m2.transformer.wte.weight  # still tied
+        with torch.no_grad():
+            assert torch.equal(m2(IDS).logits, logits)
+        assert torch.equal(m2.generate(IDS, max_new_tokens=8, do_sample=False, pad_token_id=0), tokens)
+        off.close(restore=True)
+    assert not any(p.is_meta for p in m2.parameters())
+    with torch.no_grad():
+        assert torch.equal(m2(IDS).logits, logits)  # restored: an ordinary model again
+
+
+def test_meta_parameters_without_checkpoint_and_small_budgets_are_refused(tmp_path):
+    from accelerate import init_empty_weights
+    with init_empty_weights():
+        m = _gpt2()
+    with pytest.raises(TierstoreValueError, match="checkpoint="):
+        offload_for_inference(m, nvme_path=tmp_path)
+    m = _gpt2()
+    with pytest.raises(TierstoreValueError, match=r"budget_bytes=1000 .* pass budget_bytes >= \d+"):
+        offload_for_inference(m, nvme_path=tmp_path, budget_bytes=1000)
+    with pytest.raises(TierstoreValueError, match="tier="):
+        offload_for_inference(m, tier="disk", nvme_path=tmp_path)
+    with pytest.raises(TierstoreValueError, match="weights_dtype="):
+        offload_for_inference(m, nvme_path=tmp_path, weights_dtype=torch.int8)
+    with pytest.raises(TierstoreValueError, match="nvme_path="):
+        offload_for_inference(m)
+    assert all(p.data.numel() > 0 for p in m.parameters())  # refused before anything was taken
+
+
+def test_a_model_built_under_init_without_offload_or_optimizer_is_refused(tmp_path):
+    with Init(cfg(tmp_path / "i", params="host")):
+        m = _gpt2().eval()
+    with pytest.raises(MisuseError, match="Zero3Optimizer"), torch.no_grad():
+        m(IDS)
+    with offload_for_inference(m, tier="host", budget_bytes=_budget(m)):
+        with torch.no_grad():
+            m(IDS)  # taken by the offload: runs
+
+
+def test_damaged_weight_file_raises_corruption_naming_the_parameters(tmp_path):
+    torch.manual_seed(0)
+    m = _llama().eval()
+    with offload_for_inference(m, nvme_path=tmp_path / "w", budget_bytes=_budget(m)) as off:
+        with torch.no_grad():
+            m(IDS)
+        files = [os.path.join(r, f) for r, _d, fs in os.walk(tmp_path / "w") for f in fs if f.startswith("extent")]
+        assert files, os.listdir(off._dir)
+        for path in files:  # flip one byte in every written block of every extent file
+            size = os.path.getsize(path)
+            with open(path, "r+b") as f:
+                for at in range(100, size, 1 << 20):
+                    f.seek(at)
+                    b = f.read(1)
+                    f.seek(at)
+                    f.write(bytes([b[0] ^ 0xFF]))
+        with pytest.raises(CorruptionError, match=r"stored weights of \['model\.") as e:
+            m.generate(IDS, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert e.value.filename is not None
+
+
+def _deep_peak(root: str) -> dict:
+    """In a fresh process: peak RSS growth over a forward of Deep() (12 x 1 MiB layers here) offloaded to
+    nvme with a 3 MiB budget, after a warm-up forward; and the offload's own count of resident weights."""
+    rss_follows_live_memory()
+    torch.manual_seed(0)
+    m = Deep(layers=12, width=512)
+    x = torch.randn(4, 512)
+    with torch.no_grad():
+        ref = m(x)
+    off = offload_for_inference(m, nvme_path=pathlib.Path(root) / "w", budget_bytes=3 << 20)
+    with torch.no_grad():
+        m(x)  # warm-up: the trace is recorded, the engine's threads and pinned buffers exist
+        off.reset_peak()
+        grown, out = peak_growth(lambda: m(x))
+    st = off.stats()
+    off.close()
+    return {"grown": grown, "equal": bool(torch.equal(out, ref)), "peak": st.peak_resident_bytes,
+            "weights": st.weight_bytes, "hits": st.prefetch_hits}
+
+
+def test_weights_resident_stay_within_the_budget_on_a_model_four_times_larger(tmp_path):
+    r = run_isolated(_deep_peak, str(tmp_path), timeout=120)
+    budget = 3 << 20
+    print(f"Deep 12 x 1 MiB offloaded with a 3 MiB budget: peak resident weights {r['peak'] / 2**20:.2f} MiB, "
+          f"peak RSS growth over a forward {r['grown'] / 2**20:.2f} MiB")
+    assert r["equal"] and r["hits"] > 0
+    assert r["weights"] >= 4 * budget
+    assert 0 < r["peak"] <= budget
+    assert r["grown"] <= budget + (1 << 20), r["grown"]  # the budget, plus activations and allocator slack
+
+
+def test_backward_reaches_the_inputs_not_the_parameters(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = copy.deepcopy(m)
+    x = torch.randn(3, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    ref(x2).sum().backward()
+    with offload_for_inference(m, tier="nvme", nvme_path=tmp_path, budget_bytes=1 << 20):
+        y = m(x)
+        y.sum().backward()  # the weights are gathered again for the input's gradient; the parameters get none
+        assert torch.equal(x.grad, x2.grad)
+        assert all(p.grad is None and not p.requires_grad for p in m.parameters())
+    assert all(p.requires_grad for p in m.parameters())  # given back by close()
