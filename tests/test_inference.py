@@ -206,3 +206,26 @@ def test_backward_reaches_the_inputs_not_the_parameters(tmp_path):
         assert torch.equal(x.grad, x2.grad)
         assert all(p.grad is None and not p.requires_grad for p in m.parameters())
     assert all(p.requires_grad for p in m.parameters())  # given back by close()
+
+
+def test_generation_reads_every_bucket_ahead_within_the_budget(tmp_path):
+    """After the first forward recorded the trace, every bucket a generation step uses was read ahead (the
+    next module's while the current one ran; the first modules' between forwards), and the weights resident at
+    once never passed the budget."""
+    torch.manual_seed(0)
+    m = _llama().eval()
+    ref = copy.deepcopy(m)
+    budget = _budget(m) // 2
+    with offload_for_inference(m, nvme_path=tmp_path, budget_bytes=budget) as off:
+        with torch.no_grad():
+            m(IDS)
+        c0 = off.coordinator.stats()
+        tokens = m.generate(IDS, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        c1 = off.coordinator.stats()
+        st = off.stats()
+    assert torch.equal(tokens, _reference(ref)[1])
+    assert len(off.layout.subgroups) >= 6  # several buckets: the budget is a fraction of the model
+    assert c1.trace_rebuilds == c0.trace_rebuilds  # the same modules in the same order every token
+    assert c1.gathers - c0.gathers >= 8 * len(off.layout.subgroups)
+    assert c1.prefetch_hits - c0.prefetch_hits == c1.gathers - c0.gathers
+    assert 0 < st.peak_resident_bytes <= budget
