@@ -23,15 +23,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 transformers.logging.set_verbosity_error()
 
 
-def _gpt2():
+def _gpt2(width=32):
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=3, n_head=2, n_embd=32, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=1))
+        n_layer=3, n_head=2, n_embd=width, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=1))
 
 
-def _llama():
+def _llama(width=32):
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=96, max_position_embeddings=64, bos_token_id=0, eos_token_id=1))
+        hidden_size=width, intermediate_size=2 * width, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=96, max_position_embeddings=64, bos_token_id=0, eos_token_id=1))
 
 
 IDS = torch.randint(2, 96, (2, 7), generator=torch.Generator().manual_seed(1))
@@ -126,6 +126,8 @@ def test_meta_parameters_without_checkpoint_and_small_budgets_are_refused(tmp_pa
         offload_for_inference(m, tier="disk", nvme_path=tmp_path)
     with pytest.raises(TierstoreValueError, match="weights_dtype="):
         offload_for_inference(m, nvme_path=tmp_path, weights_dtype=torch.int8)
+    with pytest.raises(TierstoreValueError, match="weights_dtype='int8' with tier='host'"):
+        offload_for_inference(m, tier="host", weights_dtype="int8")
     with pytest.raises(TierstoreValueError, match="nvme_path="):
         offload_for_inference(m)
     assert all(p.data.numel() > 0 for p in m.parameters())  # refused before anything was taken
@@ -229,3 +231,52 @@ def test_generation_reads_every_bucket_ahead_within_the_budget(tmp_path):
     assert c1.gathers - c0.gathers >= 8 * len(off.layout.subgroups)
     assert c1.prefetch_hits - c0.prefetch_hits == c1.gathers - c0.gathers
     assert 0 < st.peak_resident_bytes <= budget
+
+
+def _rounded(model, dtype):
+    """`model` with every weight rounded to `dtype` and back (what bf16 storage with fp32 compute computes)."""
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.copy_(p.to(dtype).to(p.dtype))
+    return out
+
+
+def test_fewer_bytes_bf16_weights_and_bf16_compute_equal_their_in_memory_twins(tmp_path):
+    torch.manual_seed(0)
+    ref = _gpt2(width=128).eval()
+    m = copy.deepcopy(ref)
+    with offload_for_inference(m, nvme_path=tmp_path, budget_bytes=_budget(ref),
+                               weights_dtype=torch.bfloat16) as off:
+        st = off.stats()
+        slack = 4096 * len(off.layout.subgroups)  # bytes: each bucket's extent is a whole number of 4 KiB pages
+        assert st.stored_bytes <= st.weight_bytes // 2 + slack  # half the bytes on disk
+        twin = _rounded(ref, torch.bfloat16)
+        with torch.no_grad():
+            assert torch.equal(m(IDS).logits, twin(IDS).logits)
+        assert torch.equal(m.generate(IDS, max_new_tokens=8, do_sample=False, pad_token_id=0),
+                           _reference(twin)[1])
+    m = copy.deepcopy(ref)
+    twin = copy.deepcopy(ref).to(torch.bfloat16)
+    with offload_for_inference(m, nvme_path=tmp_path, budget_bytes=_budget(ref), compute_dtype=torch.bfloat16):
+        with torch.no_grad():
+            out = m(IDS).logits
+            assert out.dtype == torch.bfloat16 and torch.equal(out, twin(IDS).logits)
+
+
+def test_int8_weights_quarter_the_bytes_and_keep_the_loss(tmp_path):
+    torch.manual_seed(0)
+    ref = _llama(width=128).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # weights far from their initial constants (norms at 1.0)
+    m = copy.deepcopy(ref)
+    with offload_for_inference(m, nvme_path=tmp_path, budget_bytes=_budget(ref), weights_dtype="int8") as off:
+        st = off.stats()
+        slack = 4096 * len(off.layout.subgroups)  # bytes: each bucket's extent is a whole number of 4 KiB pages
+        assert st.stored_bytes <= st.weight_bytes * 0.27 + slack  # codes + block scales
+        with torch.no_grad():
+            loss8 = m(IDS, labels=IDS).loss
+            loss = ref(IDS, labels=IDS).loss
+        assert not torch.equal(loss8, loss)  # the weights went through the int8 codes
+        assert abs(loss8.item() - loss.item()) <= 0.01 * loss.item()

@@ -156,6 +156,10 @@ class OffloadedModel:
                 f"budget_bytes={budget_bytes} is smaller than {'twice ' if prefetch else ''}the largest module's "
                 f"weights ({module_bytes} bytes in the compute dtype"
                 f"{'; one module runs while the next is read' if prefetch else ''}): pass budget_bytes >= {need}")
+        if weights_dtype == "int8" and tier == "host":
+            raise TierstoreValueError("weights_dtype='int8' with tier='host': the host tier keeps tensors decoded, "
+                                      "so int8 would round the weights and save no memory; pass "
+                                      "weights_dtype=torch.bfloat16, or tier='nvme' (int8 at rest on disk)")
         self.weights_dtype = weights_dtype
         self._codec = None
         if weights_dtype == "int8":
@@ -386,8 +390,8 @@ def offload_for_inference(model: torch.nn.Module, *, tier: str = "nvme", nvme_pa
         least twice the largest module's weights (the error says how much).
     compute_dtype: dtype the model computes in (None: the parameters' own); floating buffers are cast to it.
     weights_dtype: how the weights are stored: None (the compute dtype), torch.bfloat16 / torch.float16 (half
-        the bytes of fp32) or 'int8' (block-wise int8 codes and scales, about a quarter; read and dequantized
-        module by module). Outputs equal the in-memory model's bit for bit only when nothing is rounded.
+        the bytes of fp32) or 'int8' (tier='nvme' only: block-wise int8 codes and scales on disk, about a
+        quarter; read and dequantized module by module). Outputs equal the in-memory model's bit for bit only when nothing is rounded.
     checkpoint: a safetensors file or a directory ``save_pretrained`` wrote: the values are read from it, one
         tensor at a time, instead of from the parameters.
     prefetch: read the next modules' weights while the current one computes ([Note: trace] in prefetch.py).
