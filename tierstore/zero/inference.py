@@ -391,7 +391,8 @@ def offload_for_inference(model: torch.nn.Module, *, tier: str = "nvme", nvme_pa
     compute_dtype: dtype the model computes in (None: the parameters' own); floating buffers are cast to it.
     weights_dtype: how the weights are stored: None (the compute dtype), torch.bfloat16 / torch.float16 (half
         the bytes of fp32) or 'int8' (tier='nvme' only: block-wise int8 codes and scales on disk, about a
-        quarter; read and dequantized module by module). Outputs equal the in-memory model's bit for bit only when nothing is rounded.
+        quarter; read and dequantized module by module). Outputs equal the in-memory model's bit for bit when
+        nothing is rounded (weights stored in the compute dtype).
     checkpoint: a safetensors file or a directory ``save_pretrained`` wrote: the values are read from it, one
         tensor at a time, instead of from the parameters.
     prefetch: read the next modules' weights while the current one computes ([Note: trace] in prefetch.py).
