@@ -136,7 +136,7 @@ def test_meta_parameters_without_checkpoint_and_small_budgets_are_refused(tmp_pa
 def test_a_model_built_under_init_without_offload_or_optimizer_is_refused(tmp_path):
     with Init(cfg(tmp_path / "i", params="host")):
         m = _gpt2().eval()
-    with pytest.raises(MisuseError, match="Zero3Optimizer"), torch.no_grad():
+    with pytest.raises(MisuseError, match="Zero3Optimizer.*offload_for_inference"), torch.no_grad():
         m(IDS)
     with offload_for_inference(m, tier="host", budget_bytes=_budget(m)):
         with torch.no_grad():
