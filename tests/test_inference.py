@@ -280,3 +280,18 @@ def test_int8_weights_quarter_the_bytes_and_keep_the_loss(tmp_path):
             loss = ref(IDS, labels=IDS).loss
         assert not torch.equal(loss8, loss)  # the weights went through the int8 codes
         assert abs(loss8.item() - loss.item()) <= 0.01 * loss.item()
+
+
+def test_buckets_hold_neighbouring_modules_only(tmp_path):
+    """Small parameters are packed with their neighbours in model order, not with the small parameters of the
+    whole model: otherwise every module would gather one bucket of biases from all layers."""
+    import re
+    m = _gpt2(width=128)
+    with offload_for_inference(m, nvme_path=tmp_path, budget_bytes=_budget(m)) as off:
+        layers = [{int(x) for pc in off.layout.bucket(g).pieces for x in re.findall(r"\.h\.(\d+)\.", pc.name)}
+                  for g in range(len(off.layout.subgroups))]
+        assert len(layers) > 6 and all(len(s) <= 1 for s in layers), layers
+    from tierstore.zero._layout import Layout
+    with pytest.raises(TierstoreValueError, match="frozen_groups"):
+        Layout([("a", (4,), torch.float32, False), ("b", (4,), torch.float32, False)], [([], {})], 1,
+               min_io_bytes=4096, bucket_bytes=8192, frozen_groups=[["a"]])

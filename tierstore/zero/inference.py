@@ -26,7 +26,9 @@ forwards (sampling, the next token's bookkeeping).
 module running, those of the next module (read ahead, prefetch on) and, within what is left of the budget,
 further modules read ahead ([Note: reading ahead by bytes] in prefetch.py). The layout packs parameters into
 buckets of about ``min(1 MiB, budget_bytes // 16)`` and at most ``budget_bytes // 8`` (a parameter larger
-gets a bucket of its own, never split), and the
+gets a bucket of its own, never split), each bucket holding the parameters of one module or of a few
+neighbouring ones in model order (never small parameters gathered from all over the model, which every
+module would then need), and the
 offload refuses a budget smaller than twice the largest module's buckets (once, without prefetch): the
 message says what to pass. ``stats().peak_resident_bytes`` is the measured figure: every tensor of weights
 read from the store (or converted to the compute dtype) is counted from its creation until it is freed. With
@@ -54,7 +56,7 @@ import torch
 from ..errors import CorruptionError, MisuseError, TierstoreValueError
 from ..store import Store
 from ._layout import Layout
-from .hooks import ParamCoordinator
+from .hooks import _READS_CHILDREN, ParamCoordinator
 from .weight_sources import CheckpointFiles, Sources
 
 TIERS = ("host", "nvme")
@@ -145,10 +147,13 @@ class OffloadedModel:
                 raise TierstoreValueError(f"parameter {name!r} has dtype {dtype}: offloaded inference manages "
                                           f"floating-point parameters only")
             specs.append((name, shape, compute_dtype or dtype, False))
-        largest = max(torch.Size(s).numel() * dt.itemsize for _n, s, dt, _ in specs)
-        bucket = max(-(-largest // 4096) * 4096, budget_bytes // 8, 4096)
+        nbytes = {n: torch.Size(s).numel() * dt.itemsize for n, s, dt, _ in specs}
+        modules = _module_params(model, params)
+        biggest = max(sum(nbytes[n] for n in names) for names in modules)
+        bucket = max(-(-biggest // 4096) * 4096, budget_bytes // 8, 4096)  # one module's parameters fit in one
         pack = min(MIN_IO_BYTES, max(4096, budget_bytes // 16))
-        self.layout = Layout(specs, [([], {})], 1, min_io_bytes=pack, bucket_bytes=bucket)
+        self.layout = Layout(specs, [([], {})], 1, min_io_bytes=pack, bucket_bytes=bucket,
+                             frozen_groups=_module_runs(modules, nbytes, pack, bucket))
         module_bytes = self._largest_module_bytes(model, params)
         need = module_bytes * (2 if prefetch else 1)
         if budget_bytes < need:
@@ -241,8 +246,7 @@ class OffloadedModel:
         for m in model.modules():
             own = [p for p in m._parameters.values() if p is not None]
             own += list(m.__dict__.get("_tierstore_external", ()))
-            if isinstance(m, (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
-                              torch.nn.TransformerDecoderLayer)):
+            if isinstance(m, _READS_CHILDREN):
                 own += list(m.parameters())  # [Note: modules that read their children's parameters] in hooks.py
             gids = {g for p in own if id(p) in name_of for g in self.layout.param_gids[name_of[id(p)]]}
             total = 0
@@ -364,6 +368,42 @@ class OffloadedModel:
                 self._teardown()
         except Exception:  # interpreter shutdown
             pass
+
+
+def _module_params(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> list[list[str]]:
+    """The parameters of each module holding some, in model order: each parameter with the first module holding
+    it; a module that reads its children's parameters takes theirs (as the hooks gather them)."""
+    name_of = {id(p): n for n, p in params.items()}
+    seen: set[str] = set()
+    out: list[list[str]] = []
+    for m in model.modules():
+        own = list(m.parameters()) if isinstance(m, _READS_CHILDREN) else \
+            [p for p in m._parameters.values() if p is not None]
+        names = list(dict.fromkeys(name_of[id(p)] for p in own if id(p) in name_of and name_of[id(p)] not in seen))
+        if names:
+            out.append(names)
+            seen.update(names)
+    return out
+
+
+def _module_runs(modules: list[list[str]], nbytes: dict[str, int], pack: int, cap: int) -> list[list[str]]:
+    """`modules` (their parameters, in model order) cut into runs of neighbours: a module of `pack` bytes or
+    more, or one that would take the run past `cap`, starts a new run, and a run of `pack` bytes is closed. So
+    a bucket serves one module or a few small neighbours, never small parameters gathered from all over the
+    model ([Note: the inference budget])."""
+    runs: list[list[str]] = []
+    run: list[str] = []
+    held = 0
+    for names in modules:
+        size = sum(nbytes[n] for n in names)
+        if run and (held >= pack or size >= pack or held + size > cap):
+            runs.append(run)
+            run, held = [], 0
+        run += names
+        held += size
+    if run:
+        runs.append(run)
+    return runs
 
 
 def _key(gid: int) -> str:
