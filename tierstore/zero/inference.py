@@ -212,6 +212,8 @@ class OffloadedModel:
         for _n, b in model.named_buffers():
             if compute_dtype is not None and b.is_floating_point() and b.dtype != compute_dtype:
                 b.data = b.data.to(compute_dtype)
+            if b.device != self.device:  # the buffers go where the model computes
+                b.data = b.data.to(self.device)
         lend = self._lend if tier == "host" and weights_dtype in (None, compute_dtype) else None
         self.coordinator = ParamCoordinator(
             model, self.layout, params, self._fetch, _NoGradients(), device=self.device,
@@ -258,7 +260,8 @@ class OffloadedModel:
 
     # -- the coordinator's store access ---------------------------------------------------------------------
     def _fetch(self, gid: int) -> torch.Tensor:
-        """Bucket `gid`'s values in the compute dtype (a tensor of its own; worker threads call this too)."""
+        """Bucket `gid`'s values in host memory (a tensor of its own; worker threads call this too): in the
+        compute dtype when the CPU computes, else as stored (the gather converts it on the accelerator)."""
         try:
             t = self.store.get(_key(gid))
         except CorruptionError as e:
@@ -267,12 +270,10 @@ class OffloadedModel:
                                   f"their checksum ({e.strerror}): the weight files under {self._dir} are damaged; "
                                   f"offload the model again", e.filename, e.offset, e.length) from e
         b = self.layout.bucket(gid)
-        if t.dtype != b.dtype:
-            t = t.to(b.dtype)
-        if t.device != self.device:
-            t = t.to(self.device)
+        if t.dtype != b.dtype and self.device.type == "cpu":
+            t = t.to(b.dtype)  # here, on the reading thread; for an accelerator the gather converts it there
         self._count(t)
-        return t
+        return t  # host memory: the prefetch's device stage copies it to an accelerator
 
     def _lend(self, gid: int):
         """The store's own host copy of bucket `gid`, held until the returned function is called; None when it
@@ -436,7 +437,7 @@ def offload_for_inference(model: torch.nn.Module, *, tier: str = "nvme", nvme_pa
     checkpoint: a safetensors file or a directory ``save_pretrained`` wrote: the values are read from it, one
         tensor at a time, instead of from the parameters.
     prefetch: read the next modules' weights while the current one computes ([Note: trace] in prefetch.py).
-    device: compute device (default: where the parameters are, else the CPU).
+    device: compute device (default: where the parameters are, else the CPU); the buffers are moved there.
     """
     return OffloadedModel(model, tier=tier, nvme_path=nvme_path, budget_bytes=budget_bytes,
                           compute_dtype=compute_dtype, weights_dtype=weights_dtype, checkpoint=checkpoint,
