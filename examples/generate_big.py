@@ -2,7 +2,7 @@
 module's weights go to the nvme tier as it is built, so the model is never in memory), then run with
 offload_for_inference, its weights read from the disk layer by layer for every token.
 
-    python examples/generate_big.py --dir /mnt/nvme/big --size 32G --tokens 4
+    python examples/generate_big.py --dir /mnt/nvme/big --size 28G --tokens 4
 
 --size is the bytes of the weights in fp32 (the model's shape follows the demo's GPT family: 1024 wide, as many
 layers as it takes). Building writes the weights once under Init; the offload then moves them into its own store
@@ -35,7 +35,7 @@ def config_for(weight_bytes: int) -> transformers.GPT2Config:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="ts-data/generate-big", help="directory on the NVMe drive")
-    p.add_argument("--size", default="32G", help="bytes of weights in fp32 (default 32G)")
+    p.add_argument("--size", default="28G", help="bytes of weights in fp32 (default 28G)")
     p.add_argument("--tokens", type=int, default=4, help="tokens to generate (default 4)")
     p.add_argument("--budget", default="1G", help="budget_bytes: weights in memory at once (default 1G)")
     p.add_argument("--weights", choices=["fp32", "bf16", "int8"], default="fp32", help="how the weights are stored")
