@@ -78,6 +78,8 @@ def test_forward_and_generate_equal_the_model_in_memory(tmp_path, build, under_i
             assert st.fetches == 0 and st.peak_resident_bytes == 0
         assert all(p.data.numel() == 0 for p in m.parameters())  # released after each forward
     assert not os.listdir(tmp_path / "w") if tier == "nvme" else True  # close() removed the weight files
+    with pytest.raises(MisuseError, match="offload for inference that was closed"), torch.no_grad():
+        m(IDS)  # the parameters are empty: a clear error, not a shape error deep in the forward
 
 
 def test_from_pretrained_under_init_then_checkpoint_onto_meta_parameters(tmp_path):

@@ -323,17 +323,21 @@ class OffloadedModel:
     def close(self, *, restore: bool = False) -> None:
         """Remove the hooks and the store (its files too). restore=True first gives every parameter its value
         back in memory (in the compute dtype) and its requires_grad, so the model runs as an ordinary one;
-        otherwise the parameters stay empty and the model cannot run."""
+        otherwise the parameters stay empty and running the model raises MisuseError."""
         if self._closed:
             return
+        restored = False
         try:
             self.coordinator.release_all()
             if restore:
                 self._restore()
+                restored = True
             for name, p in self.params.items():
                 p.requires_grad_(self._requires_grad[name])
         finally:
             self._teardown()
+            if not restored:
+                self.model.register_forward_pre_hook(_closed_guard)
 
     def _restore(self) -> None:
         for name, p in self.params.items():
@@ -369,6 +373,12 @@ class OffloadedModel:
                 self._teardown()
         except Exception:  # interpreter shutdown
             pass
+
+
+def _closed_guard(module: torch.nn.Module, _args) -> None:
+    raise MisuseError(f"{type(module).__name__}'s weights were in an offload for inference that was closed: its "
+                      f"parameters are empty. Run it inside the offload (`with offload_for_inference(model, ...):`), "
+                      f"or close it with close(restore=True) to keep the values in memory")
 
 
 def _module_params(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> list[list[str]]:
