@@ -207,3 +207,19 @@ def test_version_is_the_package_version(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"tierstore {declared}" == f"tierstore {tierstore.__version__}"
+
+
+def test_bench_inference_runs_small(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out = tmp_path / "r.json"
+    rc = main(["bench", "inference", "--dir", str(tmp_path / "d"), "--params", "2e5", "--tokens", "3", "--rounds", "1",
+               "--train-steps", "1", "--threads", "1", "--cases", "memory,accelerate,nvme-int8", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    cases = r["cases"]
+    assert cases["accelerate"]["same_tokens_as_memory"] and cases["accelerate"]["tokens_s"] > 0
+    assert cases["nvme-int8"]["stored_bytes"] < r["weight_bytes"] / 2  # int8 at rest
+    assert cases["nvme-int8"]["peak_weights"] <= r["budget"]
+    assert abs(cases["nvme-int8"]["ppl"] / cases["memory"]["ppl"] - 1) < 0.05
+    assert not any((tmp_path / "d").iterdir())  # the benchmark cleans up its files

@@ -50,3 +50,9 @@ def test_accelerate_example(tmp_path):
     pytest.importorskip("transformers")
     out = run(tmp_path, "examples/accelerate_gpt2.py", "--steps", "4")
     assert "resumed from save_state equal: True" in out
+
+
+def test_generate_big_example_tiny(tmp_path):
+    pytest.importorskip("transformers")
+    out = run(tmp_path, "examples/generate_big.py", "--size", "4M", "--tokens", "3", "--budget", "2M", "--check")
+    assert "tokens/s" in out and "same tokens as the model built in memory: True" in out

@@ -25,6 +25,8 @@ BENCHMARKS = {
                    "offload to host / NVMe",
     "quality": "eval-loss gap to fp32 AdamW of tierstore's 8-bit states (fused, unfused), bitsandbytes and torchao",
     "scale": "one GPT family from 64M to 1B parameters on NVMe: peak RSS, bytes on disk, step time per parameter",
+    "inference": "greedy generation tokens/s and peak RSS: the model in memory vs accelerate's disk_offload vs "
+                 "offload_for_inference on host / NVMe (fp32, bf16, int8), bytes read per token, perplexity",
 }
 
 

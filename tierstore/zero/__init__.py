@@ -1,5 +1,5 @@
-"""ZeRO-3 over the store: Zero3Optimizer, OffloadConfig, zero.Init, GatheredParameters, TiledLinear, checkpoints.
-See docs/zero.md.
+"""ZeRO-3 over the store: Zero3Optimizer, OffloadConfig, zero.Init, GatheredParameters, TiledLinear, checkpoints;
+offloaded inference (offload_for_inference). See docs/zero.md and docs/inference.md.
 
 Imports the store, partition and quant layers; nothing below imports this package.
 """
@@ -10,12 +10,13 @@ from .config import OffloadConfig
 from .ds_config import DeepSpeedSetup, from_deepspeed
 from .gathered import GatheredParameters
 from .hooks import register_external_parameter
+from .inference import InferenceStats, OffloadedModel, offload_for_inference
 from .init import Init
 from .optimizer import Zero3Optimizer
 from .registry import optimizer_of
 from .release import release_model
 from .tiled import TiledLinear
 
-__all__ = ["DeepSpeedSetup", "GatheredParameters", "Init", "OffloadConfig", "TiledLinear", "Zero3Optimizer",
-           "consolidate", "from_deepspeed", "optimizer_of", "register_external_parameter", "release_model",
-           "rng_state", "set_rng_state"]
+__all__ = ["DeepSpeedSetup", "GatheredParameters", "InferenceStats", "Init", "OffloadConfig", "OffloadedModel",
+           "TiledLinear", "Zero3Optimizer", "consolidate", "from_deepspeed", "offload_for_inference", "optimizer_of",
+           "register_external_parameter", "release_model", "rng_state", "set_rng_state"]

@@ -56,9 +56,12 @@ class Layout:
     """Every parameter of a model, by group, in buckets sharded over ranks."""
 
     def __init__(self, named: list[tuple[str, tuple[int, ...], torch.dtype, bool]],
-                 groups: list[tuple[list[str], dict]], world_size: int, *, min_io_bytes: int, bucket_bytes: int):
+                 groups: list[tuple[list[str], dict]], world_size: int, *, min_io_bytes: int, bucket_bytes: int,
+                 frozen_groups: list[list[str]] | None = None):
         """named: (name, shape, dtype, requires_grad) in model order, tied parameters once.
-        groups: (names, options) per optimizer group; trainable parameters not named go to the first group."""
+        groups: (names, options) per optimizer group; trainable parameters not named go to the first group.
+        frozen_groups: the frozen parameters cut into these runs, each laid out in its own plan, so no bucket
+        holds parameters of two runs (default: one plan for all of them)."""
         self.world_size = world_size
         self.specs = {n: (tuple(s), dt, rg) for n, s, dt, rg in named}
         assigned: dict[str, int] = {}
@@ -79,7 +82,12 @@ class Layout:
                 members[assigned.get(n, 0)].append(n)
         cap = max(bucket_bytes, world_size * 4096)
         self.groups: list[GroupLayout] = []
-        for gi, names in list(enumerate(members)) + [(-1, frozen)]:
+        if frozen_groups is not None:
+            listed = [n for g in frozen_groups for n in g]
+            if sorted(listed) != sorted(frozen):
+                raise TierstoreValueError("frozen_groups must name every frozen parameter exactly once")
+        runs = [(-1, list(g)) for g in frozen_groups] if frozen_groups is not None else [(-1, frozen)]
+        for gi, names in list(enumerate(members)) + runs:
             spec = {n: (self.specs[n][0], self.specs[n][1]) for n in names}
             pl = plan(spec, world_size, min_io_bytes=min_io_bytes, bucket_bytes=cap)
             self.groups.append(GroupLayout(gi, pl, names, dict(groups[gi][1]) if gi >= 0 else {}))

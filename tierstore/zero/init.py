@@ -609,7 +609,8 @@ def _guard_unclaimed(module: torch.nn.Module) -> None:
             raise MisuseError(
                 f"{type(mod).__name__} was built under tierstore.zero.Init and its parameter(s) {left[:3]} were "
                 f"not taken by a Zero3Optimizer (the store holds {kept}; .data is empty). Build the optimizer "
-                f"over a model that contains this module before running it, or build the module outside Init")
+                f"over a model that contains this module before running it, run the model for inference through "
+                f"tierstore.zero.offload_for_inference(model, ...), or build the module outside Init")
         handle.remove()
 
     handle = module.register_forward_pre_hook(check)
