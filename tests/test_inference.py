@@ -297,3 +297,27 @@ def test_buckets_hold_neighbouring_modules_only(tmp_path):
     with pytest.raises(TierstoreValueError, match="frozen_groups"):
         Layout([("a", (4,), torch.float32, False), ("b", (4,), torch.float32, False)], [([], {})], 1,
                min_io_bytes=4096, bucket_bytes=8192, frozen_groups=[["a"]])
+
+
+def test_one_holder_per_model_optimizer_or_offload(tmp_path):
+    from tierstore.errors import MisuseError
+    from tierstore.zero import OffloadConfig, Zero3Optimizer, offload_for_inference
+    cfg = OffloadConfig(params="host", optimizer_states="host", gradients="host")
+    owned = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    opt = Zero3Optimizer(owned, torch.optim.AdamW, lr=1e-3, config=cfg)
+    with pytest.raises(MisuseError, match="already partitioned"):
+        offload_for_inference(owned, tier="host")
+    opt.close()
+    served = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    x = torch.randn(2, 64)
+    want = served(x)
+    h = offload_for_inference(served, tier="host")
+    with pytest.raises(MisuseError, match="open offload for inference"):
+        Zero3Optimizer(served, torch.optim.AdamW, lr=1e-3, config=cfg)
+    with pytest.raises(MisuseError, match="open offload for inference"):
+        offload_for_inference(served, tier="host")
+    with torch.no_grad():
+        assert torch.equal(served(x), want)  # the refusals touched nothing
+    h.close(restore=True)
+    opt2 = Zero3Optimizer(served, torch.optim.AdamW, lr=1e-3, config=cfg)  # restored: a plain model again
+    opt2.close()

@@ -55,6 +55,7 @@ import torch
 
 from ..errors import CorruptionError, MisuseError, TierstoreValueError
 from ..store import Store
+from . import registry
 from ._layout import Layout
 from .hooks import _READS_CHILDREN, ParamCoordinator
 from .weight_sources import CheckpointFiles, Sources
@@ -115,6 +116,7 @@ class OffloadedModel:
         if weights_dtype is not None and weights_dtype not in WEIGHT_DTYPES:
             raise TierstoreValueError(f"weights_dtype={weights_dtype!r}: pass None (the compute dtype), "
                                       f"torch.float32, torch.bfloat16, torch.float16 or 'int8'")
+        registry.check_unowned(model)  # [Note: one optimizer per model] in registry.py
         self.model = model
         self.tier = tier
         self.budget_bytes = budget_bytes
@@ -209,6 +211,7 @@ class OffloadedModel:
             self._requires_grad[name] = p.requires_grad
             p.requires_grad_(False)
         self.params = params
+        registry.add_offload(self)
         for _n, b in model.named_buffers():
             if compute_dtype is not None and b.is_floating_point() and b.dtype != compute_dtype:
                 b.data = b.data.to(compute_dtype)
@@ -338,6 +341,7 @@ class OffloadedModel:
             self._teardown()
             if not restored:
                 self.model.register_forward_pre_hook(_closed_guard)
+                registry.mark_released(self.params.values(), repr(self))
 
     def _restore(self) -> None:
         for name, p in self.params.items():
@@ -352,8 +356,16 @@ class OffloadedModel:
                 del full
             p.data = value
 
+    def __repr__(self) -> str:
+        return (f"OffloadedModel({type(self.model).__name__}, tier={self.tier!r}, "
+                f"{'closed' if self._closed else 'open'})")
+
+    def managed_param_ids(self) -> set[int]:
+        return {id(p) for p in self.params.values()}
+
     def _teardown(self) -> None:
         self._closed = True
+        registry.discard_offload(self)
         coord = getattr(self, "coordinator", None)
         if coord is not None:
             coord.remove()

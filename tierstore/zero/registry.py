@@ -12,7 +12,9 @@ and putting a whole model back in memory is not what closing should do): a model
 optimizer emptied is refused too. ``release_model(opt)`` closes it and gives the values back ([Note:
 releasing a model] in release.py); then a new optimizer takes the model. The registry holds optimizers
 weakly; an optimizer dropped without close() stays alive, and the model's owner, as long as the model does
-(its hooks hold it), so ``optimizer_of(model)`` finds it to close it.
+(its hooks hold it), so ``optimizer_of(model)`` finds it to close it. An offload for inference
+(inference.py) hooks and empties a model the same way, so the rule covers it too: a model an open
+optimizer or an open offload holds is refused by either.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from ..errors import MisuseError
 
 _lock = threading.Lock()
 _open: weakref.WeakSet = weakref.WeakSet()
+_offloads: weakref.WeakSet = weakref.WeakSet()  # open OffloadedModels (inference.py)
 RELEASED = "_tierstore_released"  # attribute of a parameter a closed optimizer emptied: that optimizer's repr
 
 
@@ -40,6 +43,17 @@ def discard(opt) -> int:
     with _lock:
         _open.discard(opt)
         return len(_open)
+
+
+def add_offload(handle) -> None:
+    """Record an open offload for inference (it has ``managed_param_ids()``)."""
+    with _lock:
+        _offloads.add(handle)
+
+
+def discard_offload(handle) -> None:
+    with _lock:
+        _offloads.discard(handle)
 
 
 def open_optimizers() -> list:
@@ -68,6 +82,14 @@ def mark_released(params, closed_by: str) -> None:
 def check_unowned(model: torch.nn.Module) -> None:
     """Refuse `model` per [Note: one optimizer per model]: another optimizer manages it, or a closed one
     emptied its parameters."""
+    ids = {id(p) for p in model.parameters()}
+    with _lock:
+        offloads = [h for h in _offloads if not ids.isdisjoint(h.managed_param_ids())]
+    if offloads:
+        raise MisuseError(
+            f"this model's weights are held by {offloads[0]!r}, an open offload for inference (its parameters are "
+            f"empty and its hooks installed); close it first -- close(restore=True) puts the weights back in "
+            f"memory -- then build the optimizer or the new offload")
     first = optimizer_of(model)
     if first is not None:
         raise MisuseError(
@@ -81,6 +103,7 @@ def check_unowned(model: torch.nn.Module) -> None:
         closed_by = getattr(p, RELEASED, None)
         if closed_by is not None and p.numel() == 0:
             raise MisuseError(
-                f"parameter {name!r} of this model is empty: {closed_by} partitioned it and was closed, and its "
-                f"values went with it. Build the model again for a new optimizer; to keep the values, hand a "
-                f"model back with tierstore.zero.release_model(opt) instead of opt.close()")
+                f"parameter {name!r} of this model is empty: {closed_by} held it and was closed, and its values "
+                f"went with it. Build the model again; to keep the values, hand a model back with "
+                f"tierstore.zero.release_model(opt) instead of opt.close() (an offload for inference: "
+                f"close(restore=True))")
