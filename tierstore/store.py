@@ -57,8 +57,17 @@ import torch
 from . import zarr_io
 from .errors import MisuseError, TierstoreIOError, TierstoreValueError, advice, io_error
 from .io import BufferPool, Engine, Tuning
-from .io.files import fsync_dir
-from .manifest import MANIFEST, STORED_DTYPES, VERSION, parse_body, read_manifest, tensor_entry, write_manifest
+from .io.files import fsync_dir, own_open, remove_own
+from .manifest import (
+    MANIFEST,
+    STORED_DTYPES,
+    VERSION,
+    manifest_limit,
+    parse_body,
+    read_manifest,
+    tensor_entry,
+    write_manifest,
+)
 from .residency import Placement, Residency
 from .tensor import TieredTensor
 from .tiers import TIERS, DeviceTier, HostTier, NvmeTier, profile_range, tier_info
@@ -103,7 +112,7 @@ class Store:
         block_size = 1 << 20  # bytes: the engine's request block
         if io_tuning is not None:
             tuning = Tuning.coerce(io_tuning)
-            fresh = not os.path.exists(os.path.join(self.paths[0], MANIFEST))
+            fresh = not os.path.lexists(os.path.join(self.paths[0], MANIFEST))
             knobs = tuning.fill(Store.__init__, {"backend": backend, "queue_depth": queue_depth, "workers": workers,
                                                  "buffer_bytes": buffer_bytes, "stripe_unit": stripe_unit},
                                 layout=fresh)
@@ -116,7 +125,7 @@ class Store:
             if os.path.exists(p) and not os.path.isdir(p):
                 raise TierstoreValueError(f"paths[{i}]={p!r} is a file, not a directory: give a directory (it is "
                                           "created if missing) for the extent files")
-        if _must_exist and not os.path.exists(os.path.join(self.paths[0], MANIFEST)):
+        if _must_exist and not os.path.lexists(os.path.join(self.paths[0], MANIFEST)):
             raise TierstoreValueError(f"no tierstore in {self.paths[0]} (no {MANIFEST}); create one with "
                                       "Store(paths) and flush() it")
         if not _read_only:
@@ -147,10 +156,9 @@ class Store:
                 if _fresh:
                     stale += [os.path.join(p, name) for p in self.paths for name in (MANIFEST, MANIFEST + ".tmp")]
                 for leftover in stale:
-                    if os.path.exists(leftover):
-                        os.unlink(leftover)
+                    remove_own(leftover)
                 _make_manifest_durable(self.paths[0])
-            self._load(read_manifest(self.paths[0]))
+            self._load(read_manifest(self.paths[0], manifest_limit(self._nvme.file_bytes())))
         except BaseException:
             self._teardown()
             raise
@@ -390,7 +398,8 @@ class Store:
                 cached = p.manifest_entry = (e, tensor_entry(p.shape, p.dtype, p.nbytes, p.codec, e))
             tensors[p.name] = cached[1]
         write_manifest(self.paths[0], tensors, generation=self._generation + 1, ndirs=len(self.paths),
-                       stripe_unit=self._nvme.stripe_unit, nfiles=len(self._nvme.files))
+                       stripe_unit=self._nvme.stripe_unit, nfiles=len(self._nvme.files),
+                       limit=manifest_limit(self._nvme.file_bytes()))
         self._generation += 1
 
     @property
@@ -540,20 +549,21 @@ def _lock_dirs(paths: list[str], *, shared: bool) -> list[int]:
     try:
         for d in sorted({os.path.realpath(p) for p in paths}):
             where = os.path.join(d, LOCKFILE)
-            try:
-                fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as e:
+            try:  # [Note: tierstore's own files]: a symlink, FIFO or device there is refused, never followed
+                fd = own_open(where, os.O_RDWR | os.O_CREAT, what="create the lock file")
+            except TierstoreIOError as e:
+                if e.errno in (errno.ELOOP, errno.EINVAL):  # not a lock file tierstore made: refused
+                    raise
                 if not shared:
-                    raise TierstoreIOError(e.errno or errno.EIO, f"cannot create the lock file {where}: "
-                                           f"{e.strerror}; a read-only store can be opened with "
+                    raise TierstoreIOError(e.errno, f"cannot create the lock file {where}: "
+                                           f"{os.strerror(e.errno)}; a read-only store can be opened with "
                                            "Store.open(paths, mode='r')", where) from None
                 try:  # read-only media: lock the lock file if there is one, else nobody can write here either
-                    fd = os.open(where, os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    continue
-                except OSError as e2:
-                    raise TierstoreIOError(e2.errno or errno.EIO, f"cannot open the lock file {where}: "
-                                           f"{e2.strerror}", where) from None
+                    fd = own_open(where, os.O_RDONLY, what="open the lock file")
+                except TierstoreIOError as e2:
+                    if e2.errno == errno.ENOENT:
+                        continue
+                    raise
             try:
                 fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -579,9 +589,11 @@ def _make_manifest_durable(directory: str) -> None:
     that window; when it fails the open fails, with the errno's advice, having written nothing."""
     path = os.path.join(directory, MANIFEST)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
+        fd = own_open(path, os.O_RDONLY, what="open the manifest")
+    except TierstoreIOError as e:
+        if e.errno == errno.ENOENT:
+            return
+        raise
     try:
         os.fsync(fd)
         fsync_dir(directory)

@@ -64,6 +64,10 @@ class NvmeTier:
         """The extent files opened so far, extent file k at index k."""
         return self._files.list
 
+    def file_bytes(self) -> int:
+        """The bytes of the extent files opened so far, every part in every directory together."""
+        return self._files.total_bytes()
+
     def file_paths(self, f: int, offset: int | None = None, length: int | None = None) -> list[str]:
         """The part files holding bytes of extent file `f` (those holding [offset, offset+length) if given)."""
         return self._files.paths(f, offset, length)

@@ -26,7 +26,7 @@ class ExtentFiles:
         """Open the extent files present in every directory (creating nothing: a manifest naming a file
         beyond them is refused by ExtentSpace.check)."""
         k = 0
-        while all(os.path.exists(os.path.join(d, EXTENT_FILE.format(k))) for d in self.dirs):
+        while all(os.path.lexists(os.path.join(d, EXTENT_FILE.format(k))) for d in self.dirs):
             self.get(k)
             k += 1
 
@@ -34,12 +34,16 @@ class ExtentFiles:
         """Extent file `f`, opened (and created, with those before it, unless read-only) if it is not yet."""
         while len(self.list) <= f:
             name = EXTENT_FILE.format(len(self.list))
-            new = not all(os.path.exists(os.path.join(d, name)) for d in self.dirs)
+            new = not all(os.path.lexists(os.path.join(d, name)) for d in self.dirs)
             self.list.append(self.engine.open_striped(self.dirs, name, "r" if self.read_only else "c",
                                                       stripe_unit=self.stripe_unit))
             if new:
                 self.dirs_unsynced = True  # the new names must be durable before a manifest names them
         return self.list[f]
+
+    def total_bytes(self) -> int:
+        """The bytes of every part of every extent file opened so far."""
+        return sum(p.size() for sf in self.list for p in sf.parts)
 
     def paths(self, f: int, offset: int | None = None, length: int | None = None) -> list[str]:
         """The part files holding bytes of extent file `f` (those holding [offset, offset+length) if given)."""
