@@ -69,6 +69,7 @@ from .manifest import (
     write_manifest,
 )
 from .residency import Placement, Residency
+from .store_args import check_flag, check_sizes, store_paths
 from .tensor import TieredTensor
 from .tiers import TIERS, DeviceTier, HostTier, NvmeTier, profile_range, tier_info
 from .tiers.device import to_dlpack_tensor
@@ -102,13 +103,7 @@ class Store:
         self._closed = True  # until fully open
         self._read_only = _read_only
         self._lockfds: list[int] = []
-        if isinstance(paths, (str, os.PathLike)):
-            paths = [paths]
-        self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
-        if not self.paths:
-            raise TierstoreValueError("paths is empty: give at least one directory for the nvme tier")
-        if len({os.path.realpath(p) for p in self.paths}) != len(self.paths):
-            raise TierstoreValueError(f"paths={self.paths} names a directory twice")
+        self.paths = store_paths(paths)
         block_size = 1 << 20  # bytes: the engine's request block
         if io_tuning is not None:
             tuning = Tuning.coerce(io_tuning)
@@ -118,26 +113,23 @@ class Store:
                                 layout=fresh)
             backend, queue_depth, workers = knobs["backend"], knobs["queue_depth"], knobs["workers"]
             buffer_bytes, stripe_unit, block_size = knobs["buffer_bytes"], knobs["stripe_unit"], tuning.block_size
-        _check_sizes(host_budget=host_budget, device_budget=device_budget, nvme_budget=nvme_budget,
-                     pinned_budget=pinned_budget, buffer_bytes=buffer_bytes, queue_depth=queue_depth,
-                     extent_file_bytes=extent_file_bytes, stripe_unit=stripe_unit, workers=workers)
-        for i, p in enumerate(self.paths):
-            if os.path.exists(p) and not os.path.isdir(p):
-                raise TierstoreValueError(f"paths[{i}]={p!r} is a file, not a directory: give a directory (it is "
-                                          "created if missing) for the extent files")
+        check_sizes(host_budget=host_budget, device_budget=device_budget, nvme_budget=nvme_budget,
+                    pinned_budget=pinned_budget, buffer_bytes=buffer_bytes, queue_depth=queue_depth,
+                    extent_file_bytes=extent_file_bytes, stripe_unit=stripe_unit, workers=workers)
+        check_flag("lock_memory", lock_memory)
         if _must_exist and not os.path.lexists(os.path.join(self.paths[0], MANIFEST)):
             raise TierstoreValueError(f"no tierstore in {self.paths[0]} (no {MANIFEST}); create one with "
                                       "Store(paths) and flush() it")
-        if not _read_only:
-            for p in self.paths:
-                _make_dir(p)
-        self._lockfds = _lock_dirs(self.paths, shared=_read_only)
-        try:
+        try:  # in memory first, the disk second ([Note: a refused Store leaves the disk as it was])
             self._flush_lock = threading.Lock()
             self._pool = BufferPool(pinned_budget, buffer_bytes, lock=lock_memory)
             self._engine = Engine(backend, queue_depth, block_size, pool=self._pool)
             self._device = DeviceTier(device_budget, device)
             self._host = HostTier(host_budget, lock=lock_memory)
+            if not _read_only:
+                for p in self.paths:
+                    _make_dir(p)
+            self._lockfds = _lock_dirs(self.paths, shared=_read_only)
             self._nvme = NvmeTier(self.paths, self._engine, self._pool, budget_bytes=nvme_budget,
                                   extent_file_bytes=extent_file_bytes, stripe_unit=stripe_unit,
                                   read_only=_read_only)
@@ -505,23 +497,6 @@ class Store:
 
 
 # -- opening: arguments, directories, locks ---------------------------------------------------------------
-def _check_sizes(**sizes) -> None:
-    """Every budget/size argument is an int (budgets may be None), none negative, the counts positive."""
-    may_be_none = {"host_budget", "device_budget", "nvme_budget"}
-    positive = {"pinned_budget", "buffer_bytes", "queue_depth", "extent_file_bytes", "stripe_unit", "workers"}
-    for name, v in sizes.items():
-        if v is None and name in may_be_none:
-            continue
-        count = name in ("queue_depth", "workers")
-        unit = "" if count else " bytes"
-        if isinstance(v, bool) or not isinstance(v, int):
-            what = "an int" if count else "an int number of bytes (e.g. 1 << 30 for 1 GiB)"
-            none = " or None (no limit)" if name in may_be_none else ""
-            raise TierstoreValueError(f"{name}={v!r} must be {what}{none}, not a {type(v).__name__}")
-        if v < 0 or (v == 0 and name in positive):
-            raise TierstoreValueError(f"{name}={v} must be {'>= 1' if name in positive else '>= 0'}{unit}")
-
-
 def _make_dir(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
