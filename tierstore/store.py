@@ -62,6 +62,7 @@ from .manifest import (
     MANIFEST,
     STORED_DTYPES,
     VERSION,
+    gc_paused,
     manifest_limit,
     parse_body,
     read_manifest,
@@ -150,7 +151,8 @@ class Store:
                 for leftover in stale:
                     remove_own(leftover)
                 _make_manifest_durable(self.paths[0])
-            self._load(read_manifest(self.paths[0], manifest_limit(self._nvme.file_bytes())))
+            with gc_paused():  # [Note: opening costs what the tensors need] in manifest.py
+                self._load(read_manifest(self.paths[0], manifest_limit(self._nvme.file_bytes())))
         except BaseException:
             self._teardown()
             raise

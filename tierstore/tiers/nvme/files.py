@@ -57,14 +57,22 @@ class ExtentFiles:
 
         An extent file cut short damages the tensors past the cut, not the store: they are refused when read
         (check_readable), before anything is allocated for them; the others stay readable."""
-        sizes: dict[int, list[int]] = {}  # extent file -> size of each part, bytes
+        top: dict[int, int] = {}  # extent file -> the end of its last extent
         for e in extents:
-            if not e.alloc:
-                continue
-            sf = self.list[e.file]
-            if e.file not in sizes:
-                sizes[e.file] = [p.size() for p in sf.parts]
-            e.damaged = any(sizes[e.file][k] < need for k, need in part_needs(sf, e.offset, e.offset + e.alloc))
+            if e.alloc and e.offset + e.alloc > top.get(e.file, 0):
+                top[e.file] = e.offset + e.alloc
+        sizes: dict[int, list[int]] = {}  # extent file -> size of each part, bytes, where some part is short
+        for f, end in top.items():
+            sf = self.list[f]
+            got = [p.size() for p in sf.parts]
+            if any(got[k] < need for k, need in part_needs(sf, 0, end)):  # else no extent of it reaches past
+                sizes[f] = got
+        if not sizes:
+            return
+        for e in extents:
+            if e.alloc and e.file in sizes:
+                sf = self.list[e.file]
+                e.damaged = any(sizes[e.file][k] < need for k, need in part_needs(sf, e.offset, e.offset + e.alloc))
 
     def take_unsynced(self) -> tuple[set[int], bool]:
         """The files and directories to fsync, forgotten here (give them back with keep_unsynced on failure)."""
