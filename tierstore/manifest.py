@@ -224,7 +224,7 @@ def parse_body(body: dict, where: str, ndirs: int, stripe_unit: int) -> tuple[in
         ext = Extent.from_json(d.get("extent"), where, lambda: f"{_field(name)}.extent")  # noqa: B023 (raised here)
         if codec is IDENTITY and ext.length != nbytes:
             raise _corrupt(where, f"{_field(name)}.extent.length", f"{ext.length} bytes hold {nbytes} raw bytes")
-        parsed.append(Entry(name, shape, STORED_DTYPES[dname], codec, ext, nbytes))
+        parsed.append(Entry(name, shape, STORED_DTYPES[str(dname)], codec, ext, nbytes))
     return body["generation"], parsed
 
 
