@@ -38,7 +38,7 @@ def _status(field: str) -> int:
 
 def child(sdir: str) -> None:
     """In a fresh interpreter: import, reset the peak RSS to the current RSS, open the store read-only;
-    print seconds, the RSS before and the peak RSS during the open."""
+    print seconds (wall and CPU), the RSS before and the peak RSS during the open."""
     from ..store import Store
 
     try:  # 5: reset the peak RSS (VmHWM) to the current RSS, so the import's own peak is not counted
@@ -47,13 +47,14 @@ def child(sdir: str) -> None:
     except OSError:
         pass
     before = _status("VmRSS")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     s = Store.open(sdir, mode="r")
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = _status("VmHWM")
     n = len(s)
     s.close()
-    print(json.dumps({"seconds": seconds, "rss_before": before, "peak": max(peak, before), "tensors": n}))
+    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "rss_before": before, "peak": max(peak, before),
+                      "tensors": n}))
 
 
 def measure(sdir: str, rounds: int) -> list[dict]:
