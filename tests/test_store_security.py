@@ -4,12 +4,14 @@ is read only up to what the format can need ([Note: tierstore's own files] in ti
 [Note: how large a manifest can be] in tierstore/manifest.py)."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
 
-from tierstore.errors import CorruptionError, TierstoreIOError
+from tierstore.errors import CorruptionError, TierstoreIOError, TierstoreValueError
+from tierstore.manifest import manifest_limit, read_manifest, write_manifest
 from tierstore.store import Store
 
 NINE = b"outside!!"  # the 9-byte file outside the store a planted link points at
@@ -145,3 +147,40 @@ def test_manifest_larger_than_the_format_can_need_is_refused_unread(tmp_path):
     with pytest.raises(CorruptionError, match="more than a store whose extent files hold what these do") as e:
         Store.open(d, mode="r", pinned_budget=8 << 20, host_budget=0)
     assert e.value.filename == str(d / "manifest.json")
+
+
+def test_a_manifest_laid_out_otherwise_still_opens(tmp_path):
+    """The checksum is taken over the body's bytes as written; a manifest laid out otherwise (indented, keys
+    in another order) is checked by serialising its body again, and opens as before."""
+    d = tmp_path / "s"
+    fill(d)
+    doc = json.loads((d / "manifest.json").read_bytes())
+    (d / "manifest.json").write_text(json.dumps({k: doc[k] for k in reversed(list(doc))}, indent=2))
+    with Store.open(d, mode="r", pinned_budget=8 << 20) as s:
+        assert torch.equal(s.get("w"), torch.arange(4096, dtype=torch.float32))
+    doc["body"]["generation"] += 1  # same layout, another body: the checksum fails either way
+    (d / "manifest.json").write_text(json.dumps(doc, indent=2))
+    with pytest.raises(CorruptionError, match="fails its checksum"):
+        Store.open(d, mode="r", pinned_budget=8 << 20)
+
+
+def test_deep_nesting_is_a_corruption_error(tmp_path):
+    d = tmp_path / "s"
+    fill(d)
+    (d / "manifest.json").write_bytes(b"[" * 200_000 + b"]" * 200_000)
+    with pytest.raises(CorruptionError, match="is not valid"):
+        Store.open(d, mode="r", pinned_budget=8 << 20)
+
+
+def test_flush_refuses_a_manifest_a_reopen_would_refuse(tmp_path):
+    d = tmp_path / "s"
+    d.mkdir()
+    entry = {"shape": [0], "dtype": "float32", "nbytes": 0, "codec": None,
+             "extent": {"file": 0, "offset": 0, "length": 0, "alloc": 0, "crc32c": 0}}
+    tensors = {f"t{i}": entry for i in range(100)}
+    with pytest.raises(TierstoreValueError, match="more than a reopen accepts"):
+        write_manifest(str(d), tensors, generation=1, ndirs=1, stripe_unit=1 << 20, nfiles=0, limit=1000)
+    assert os.listdir(d) == []
+    write_manifest(str(d), tensors, generation=1, ndirs=1, stripe_unit=1 << 20, nfiles=0,
+                   limit=manifest_limit(0))
+    assert len(read_manifest(str(d))["tensors"]) == 100
