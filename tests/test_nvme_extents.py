@@ -137,11 +137,13 @@ def test_a_full_budget_refuses_and_changes_nothing():
 def test_check_refuses_a_missing_file_or_overlapping_extents_naming_the_field():
     s = ExtentSpace(64 * P)
     a, b = Extent(0, 0, 2 * P, 2 * P, 0), Extent(0, P, P, P, 0)
+    def names(*ns):
+        return lambda i: ns[i]
     with pytest.raises(CorruptionError, match=r"field b\.file: extent file extents-0001\.bin does not exist"):
-        s.check([("a", a), ("b", Extent(1, 0, P, P, 0))], "m.json", nfiles=1)
+        s.check([a, Extent(1, 0, P, P, 0)], "m.json", 1, names("a", "b"))
     with pytest.raises(CorruptionError, match="field b: its extent overlaps that of a"):
-        s.check([("a", a), ("b", b)], "m.json", nfiles=1)
-    s.check([("a", a), ("b", Extent(0, 2 * P, P, P, 0)), ("empty", Extent(0, 0, 0, 0, 0))], "m.json", nfiles=1)
+        s.check([a, b], "m.json", 1, names("a", "b"))
+    s.check([a, Extent(0, 2 * P, P, P, 0), Extent(0, 0, 0, 0, 0)], "m.json", 1, names("a", "b", "empty"))
 
 
 def test_adopt_makes_the_manifest_the_only_used_space():

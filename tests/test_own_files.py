@@ -44,3 +44,38 @@ def test_fifo_opened_for_writing_is_named_as_such(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(TierstoreIOError, match="not a regular file"):
         own_open(tmp_path / "fifo", os.O_WRONLY)
+
+
+@pytest.mark.parametrize("swap", ["symlink", "another file"])
+def test_the_direct_descriptor_is_the_same_file(tmp_path, monkeypatch, swap):
+    """File opens its O_DIRECT descriptor by name a second time: a name changed in between (a symlink put
+    there, another file renamed over it) is refused, and the link's target is not opened for writing."""
+    from tierstore.io import files
+
+    path, outside = tmp_path / "extents-0000.bin", tmp_path / "outside.txt"
+    outside.write_bytes(b"keep me!!")
+    (tmp_path / "other").write_bytes(b"")
+    real_open, calls = os.open, []
+
+    def racing_open(p, flags, *a):
+        fd = real_open(p, flags, *a)
+        calls.append(p)
+        if len(calls) == 1:  # between the two opens of the same name
+            os.unlink(path)
+            if swap == "symlink":
+                os.symlink(outside, path)
+            else:
+                os.replace(tmp_path / "other", path)
+        return fd
+
+    monkeypatch.setattr(files.os, "open", racing_open)
+    try:
+        f = files.File(path, "c", direct=True, own=True)
+    except TierstoreIOError as e:
+        assert e.filename == str(path)
+        assert ("never follows one there" in str(e)) if swap == "symlink" else ("another file" in str(e))
+    else:
+        no_direct = f.direct_fd is None
+        f.close()
+        assert no_direct, "the O_DIRECT descriptor was opened on what the name led to after the change"
+    assert outside.read_bytes() == b"keep me!!"

@@ -69,7 +69,7 @@ class TestNvmeTier(PersistentTierTests):
     def reopen(self, path, extents_json):
         tier = self.make(path)
         exts = [Extent.from_json(d) for d in extents_json]
-        tier.check_extents([(f"e{i}", e) for i, e in enumerate(exts)], str(path))
+        tier.check_extents(exts, str(path), lambda i: f"e{i}")
         tier.adopt(exts)
         return tier, exts
 

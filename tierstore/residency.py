@@ -65,11 +65,11 @@ class Placement:
     __slots__ = ("name", "shape", "dtype", "nbytes", "codec", "copies", "committed", "committed_meta", "pins",
                  "version", "deleted", "manifest_entry")
 
-    def __init__(self, name: str, shape, dtype: torch.dtype, codec=None):
+    def __init__(self, name: str, shape, dtype: torch.dtype, codec=None, nbytes: int | None = None):
         self.name = name
         self.shape = torch.Size(shape)
         self.dtype = dtype
-        self.nbytes = nbytes_of(self.shape, dtype)  # bytes, decoded
+        self.nbytes = nbytes_of(self.shape, dtype) if nbytes is None else nbytes  # bytes, decoded
         self.codec = codec if codec is not None else IDENTITY
         self.copies: dict[str, Any] = {}
         self.committed: Any = None  # the extent the last durable manifest names
@@ -166,14 +166,15 @@ class Residency:
     def adopt(self, entries, where: str) -> None:
         """Take the tensors of a manifest read at open (manifest.Entry records, their fields checked): each
         extent is checked against the files, then held as the tensor's only, committed copy."""
-        self._disk.check_extents([(f"tensors[{e.name!r}].extent", e.extent) for e in entries], where)
+        self._disk.check_extents([e.extent for e in entries], where,
+                                 lambda i: f"tensors[{entries[i].name!r}].extent")
+        disk, lru, table = self._disk_name, self._lru[self._disk_name], self._table
         with self.lock:
             for e in entries:
-                p = Placement(e.name, e.shape, e.dtype, e.codec)
-                p.copies[self._disk_name] = e.extent
-                p.committed = e.extent
-                self._lru[self._disk_name][p] = None
-                self._table[e.name] = p
+                p = Placement(e.name, e.shape, e.dtype, e.codec, e.nbytes)
+                p.copies[disk] = p.committed = e.extent
+                lru[p] = None
+                table[e.name] = p
         self._disk.adopt([e.extent for e in entries])
 
     # -- state --------------------------------------------------------------------------------------------

@@ -57,9 +57,20 @@ import torch
 from . import zarr_io
 from .errors import MisuseError, TierstoreIOError, TierstoreValueError, advice, io_error
 from .io import BufferPool, Engine, Tuning
-from .io.files import fsync_dir
-from .manifest import MANIFEST, STORED_DTYPES, VERSION, parse_body, read_manifest, tensor_entry, write_manifest
+from .io.files import fsync_dir, own_open, remove_own
+from .manifest import (
+    MANIFEST,
+    STORED_DTYPES,
+    VERSION,
+    gc_paused,
+    manifest_limit,
+    parse_body,
+    read_manifest,
+    tensor_entry,
+    write_manifest,
+)
 from .residency import Placement, Residency
+from .store_args import check_flag, check_sizes, store_paths
 from .tensor import TieredTensor
 from .tiers import TIERS, DeviceTier, HostTier, NvmeTier, profile_range, tier_info
 from .tiers.device import to_dlpack_tensor
@@ -93,42 +104,33 @@ class Store:
         self._closed = True  # until fully open
         self._read_only = _read_only
         self._lockfds: list[int] = []
-        if isinstance(paths, (str, os.PathLike)):
-            paths = [paths]
-        self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
-        if not self.paths:
-            raise TierstoreValueError("paths is empty: give at least one directory for the nvme tier")
-        if len({os.path.realpath(p) for p in self.paths}) != len(self.paths):
-            raise TierstoreValueError(f"paths={self.paths} names a directory twice")
+        self.paths = store_paths(paths)
         block_size = 1 << 20  # bytes: the engine's request block
         if io_tuning is not None:
             tuning = Tuning.coerce(io_tuning)
-            fresh = not os.path.exists(os.path.join(self.paths[0], MANIFEST))
+            fresh = not os.path.lexists(os.path.join(self.paths[0], MANIFEST))
             knobs = tuning.fill(Store.__init__, {"backend": backend, "queue_depth": queue_depth, "workers": workers,
                                                  "buffer_bytes": buffer_bytes, "stripe_unit": stripe_unit},
                                 layout=fresh)
             backend, queue_depth, workers = knobs["backend"], knobs["queue_depth"], knobs["workers"]
             buffer_bytes, stripe_unit, block_size = knobs["buffer_bytes"], knobs["stripe_unit"], tuning.block_size
-        _check_sizes(host_budget=host_budget, device_budget=device_budget, nvme_budget=nvme_budget,
-                     pinned_budget=pinned_budget, buffer_bytes=buffer_bytes, queue_depth=queue_depth,
-                     extent_file_bytes=extent_file_bytes, stripe_unit=stripe_unit, workers=workers)
-        for i, p in enumerate(self.paths):
-            if os.path.exists(p) and not os.path.isdir(p):
-                raise TierstoreValueError(f"paths[{i}]={p!r} is a file, not a directory: give a directory (it is "
-                                          "created if missing) for the extent files")
-        if _must_exist and not os.path.exists(os.path.join(self.paths[0], MANIFEST)):
+        check_sizes(host_budget=host_budget, device_budget=device_budget, nvme_budget=nvme_budget,
+                    pinned_budget=pinned_budget, buffer_bytes=buffer_bytes, queue_depth=queue_depth,
+                    extent_file_bytes=extent_file_bytes, stripe_unit=stripe_unit, workers=workers)
+        check_flag("lock_memory", lock_memory)
+        if _must_exist and not os.path.lexists(os.path.join(self.paths[0], MANIFEST)):
             raise TierstoreValueError(f"no tierstore in {self.paths[0]} (no {MANIFEST}); create one with "
                                       "Store(paths) and flush() it")
-        if not _read_only:
-            for p in self.paths:
-                _make_dir(p)
-        self._lockfds = _lock_dirs(self.paths, shared=_read_only)
-        try:
+        try:  # in memory first, the disk second ([Note: a refused Store leaves the disk as it was])
             self._flush_lock = threading.Lock()
             self._pool = BufferPool(pinned_budget, buffer_bytes, lock=lock_memory)
             self._engine = Engine(backend, queue_depth, block_size, pool=self._pool)
             self._device = DeviceTier(device_budget, device)
             self._host = HostTier(host_budget, lock=lock_memory)
+            if not _read_only:
+                for p in self.paths:
+                    _make_dir(p)
+            self._lockfds = _lock_dirs(self.paths, shared=_read_only)
             self._nvme = NvmeTier(self.paths, self._engine, self._pool, budget_bytes=nvme_budget,
                                   extent_file_bytes=extent_file_bytes, stripe_unit=stripe_unit,
                                   read_only=_read_only)
@@ -147,10 +149,10 @@ class Store:
                 if _fresh:
                     stale += [os.path.join(p, name) for p in self.paths for name in (MANIFEST, MANIFEST + ".tmp")]
                 for leftover in stale:
-                    if os.path.exists(leftover):
-                        os.unlink(leftover)
+                    remove_own(leftover)
                 _make_manifest_durable(self.paths[0])
-            self._load(read_manifest(self.paths[0]))
+            with gc_paused():  # [Note: opening costs what the tensors need] in manifest.py
+                self._load(read_manifest(self.paths[0], manifest_limit(self._nvme.file_bytes())))
         except BaseException:
             self._teardown()
             raise
@@ -393,7 +395,8 @@ class Store:
                 cached = p.manifest_entry = (e, tensor_entry(p.shape, p.dtype, p.nbytes, p.codec, e))
             tensors[p.name] = cached[1]
         write_manifest(self.paths[0], tensors, generation=self._generation + 1, ndirs=len(self.paths),
-                       stripe_unit=self._nvme.stripe_unit, nfiles=len(self._nvme.files))
+                       stripe_unit=self._nvme.stripe_unit, nfiles=len(self._nvme.files),
+                       limit=manifest_limit(self._nvme.file_bytes()))
         self._generation += 1
 
     @property
@@ -502,23 +505,6 @@ class Store:
 
 
 # -- opening: arguments, directories, locks ---------------------------------------------------------------
-def _check_sizes(**sizes) -> None:
-    """Every budget/size argument is an int (budgets may be None), none negative, the counts positive."""
-    may_be_none = {"host_budget", "device_budget", "nvme_budget"}
-    positive = {"pinned_budget", "buffer_bytes", "queue_depth", "extent_file_bytes", "stripe_unit", "workers"}
-    for name, v in sizes.items():
-        if v is None and name in may_be_none:
-            continue
-        count = name in ("queue_depth", "workers")
-        unit = "" if count else " bytes"
-        if isinstance(v, bool) or not isinstance(v, int):
-            what = "an int" if count else "an int number of bytes (e.g. 1 << 30 for 1 GiB)"
-            none = " or None (no limit)" if name in may_be_none else ""
-            raise TierstoreValueError(f"{name}={v!r} must be {what}{none}, not a {type(v).__name__}")
-        if v < 0 or (v == 0 and name in positive):
-            raise TierstoreValueError(f"{name}={v} must be {'>= 1' if name in positive else '>= 0'}{unit}")
-
-
 def _make_dir(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
@@ -546,20 +532,21 @@ def _lock_dirs(paths: list[str], *, shared: bool) -> list[int]:
     try:
         for d in sorted({os.path.realpath(p) for p in paths}):
             where = os.path.join(d, LOCKFILE)
-            try:
-                fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as e:
+            try:  # [Note: tierstore's own files]: a symlink, FIFO or device there is refused, never followed
+                fd = own_open(where, os.O_RDWR | os.O_CREAT, what="create the lock file")
+            except TierstoreIOError as e:
+                if e.errno in (errno.ELOOP, errno.EINVAL):  # not a lock file tierstore made: refused
+                    raise
                 if not shared:
-                    raise TierstoreIOError(e.errno or errno.EIO, f"cannot create the lock file {where}: "
-                                           f"{e.strerror}; a read-only store can be opened with "
+                    raise TierstoreIOError(e.errno, f"cannot create the lock file {where}: "
+                                           f"{os.strerror(e.errno)}; a read-only store can be opened with "
                                            "Store.open(paths, mode='r')", where) from None
                 try:  # read-only media: lock the lock file if there is one, else nobody can write here either
-                    fd = os.open(where, os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    continue
-                except OSError as e2:
-                    raise TierstoreIOError(e2.errno or errno.EIO, f"cannot open the lock file {where}: "
-                                           f"{e2.strerror}", where) from None
+                    fd = own_open(where, os.O_RDONLY, what="open the lock file")
+                except TierstoreIOError as e2:
+                    if e2.errno == errno.ENOENT:
+                        continue
+                    raise
             try:
                 fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -585,9 +572,11 @@ def _make_manifest_durable(directory: str) -> None:
     that window; when it fails the open fails, with the errno's advice, having written nothing."""
     path = os.path.join(directory, MANIFEST)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
+        fd = own_open(path, os.O_RDONLY, what="open the manifest")
+    except TierstoreIOError as e:
+        if e.errno == errno.ENOENT:
+            return
+        raise
     try:
         os.fsync(fd)
         fsync_dir(directory)

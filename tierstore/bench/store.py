@@ -11,6 +11,9 @@ into tensors allocated once beforehand (`get_many(names, out=...)`, what a train
 engine reference also reads into memory it allocated before) and into fresh tensors (`get_many(names)`,
 which pays the page faults of new memory, as torch.load does).
 
+(d) open cost (`--only open`, store_open.py): Store.open of a store of `--tensors` small tensors, its
+seconds and peak memory in a fresh process.
+
 (c) row reads (`--only rows`): a table (default 256 MiB of float32 rows of 4 KiB) on the nvme tier, a lookup
 of random rows (default 4096, an embedding batch), a sparse one (1/16 as many) and a slice of consecutive
 rows, page cache dropped before
@@ -24,6 +27,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 
 from ._common import (
     Progress,
@@ -47,9 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--large-count", type=int, default=8, help="(b) number of large tensors")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pinned", type=size_arg, default=128 << 20, help="the store's pinned_budget")
-    p.add_argument("--only", choices=["small", "large", "rows"], help="run one workload")
+    p.add_argument("--only", choices=["small", "large", "rows", "open"], help="run one workload")
     p.add_argument("--table", type=size_arg, default=256 << 20, help="(c) bytes of the table rows are read from")
     p.add_argument("--lookups", type=int, default=4096, help="(c) random rows per lookup")
+    p.add_argument("--tensors", type=int, default=20_000, help="(d) tensors of the store whose open is timed")
 
 
 def _files(d: str) -> list[str]:
@@ -284,6 +289,34 @@ def _rows_report(r: dict) -> None:
                         f"{fmt_bytes(CRC_BLOCK)} checksummed blocks")
 
 
+def _open_workload(root: str, args) -> dict:
+    from . import store_open
+
+    sdir, empty = os.path.join(root, "open-store"), os.path.join(root, "open-empty")
+    t0 = time.perf_counter()
+    manifest = store_open.build(sdir, args.tensors)
+    built = time.perf_counter() - t0
+    store_open.build(empty, 0)
+    return {"tensors": args.tensors, "manifest_bytes": manifest, "build_seconds": built,
+            "opens": store_open.measure(sdir, args.rounds), "empty": store_open.measure(empty, args.rounds)}
+
+
+def _open_report(r: dict) -> None:
+    def median(opens: list[dict]) -> dict:
+        return sorted(opens, key=lambda o: o["seconds"])[len(opens) // 2]
+    full, empty = median(r["opens"]), median(r["empty"])
+    n = r["tensors"]
+    grew = (full["peak"] - full["rss_before"]) - (empty["peak"] - empty["rss_before"])  # bytes
+    spent = full["seconds"] - empty["seconds"]
+    print_table(f"(d) Store.open of {n} tensors (medians of {len(r['opens'])} opens, each in a fresh process)",
+                ["manifest", "open seconds (CPU)", "peak RSS", "above an empty store's open", "per tensor"],
+                [[fmt_bytes(r["manifest_bytes"]), f"{full['seconds']:.2f} ({full['cpu_seconds']:.2f})",
+                  fmt_bytes(full["peak"]),
+                  f"{spent:.2f} s, {fmt_bytes(grew)}", f"{spent / n * 1e6:.1f} us, {fmt_bytes(grew / n)}"]],
+                caption="peak RSS: VmHWM during the open (reset after the import). An empty store's open (its "
+                        "pinned pool, the engine's bounce buffers) is subtracted for the per-tensor cost")
+
+
 def run(args) -> int:
     import torch
 
@@ -309,11 +342,14 @@ def run(args) -> int:
             if args.only in (None, "rows"):
                 progress.describe("rows")
                 results["rows"] = _rows_workload(root, args, progress)
+            if args.only in (None, "open"):
+                progress.describe(f"open: {args.tensors} tensors")
+                results["open"] = _open_workload(root, args)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = []
     for name, r in results.items():
-        if name == "rows":
+        if name in ("rows", "open"):
             continue
         b = r["bytes"]
         thr = {case: gib_s(b, smp.median) for case, smp in r["samples"].items()}  # GiB/s
@@ -327,6 +363,8 @@ def run(args) -> int:
                          ratio(thr[case], thr[per])])
     if "rows" in results:
         _rows_report(results["rows"])
+    if "open" in results:
+        _open_report(results["open"])
     if rows:
         print_table("Store vs raw engine vs torch.save/torch.load (GiB/s, medians of interleaved rounds)",
                     ["workload", "store", "engine", "torch 1 file", "torch file/tensor", "store/engine",

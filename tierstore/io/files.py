@@ -107,6 +107,33 @@ def read_small(path: str | os.PathLike, limit: int, *, what: str = "read") -> by
         os.close(fd)
 
 
+def remove_own(path: str | os.PathLike, *, what: str = "remove a leftover") -> None:
+    """Remove a file tierstore left at `path` (a crash's temporary file); nothing when there is none. Anything
+    but a regular file there was not left by tierstore: it is refused, not removed ([Note: tierstore's own
+    files])."""
+    p = os.fspath(path)
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise io_error(e.errno or errno.EIO, what, p, None, None) from None
+    if _stat.S_ISLNK(st.st_mode):
+        raise io_error(errno.ELOOP, what, p, None, None,
+                       "a symlink stands where tierstore keeps its own file; tierstore never follows one there: "
+                       "remove the link")
+    if not _stat.S_ISREG(st.st_mode):
+        raise io_error(errno.EINVAL, what, p, None, None,
+                       "not a regular file (a FIFO, device or directory stands where tierstore keeps its own "
+                       "file): remove it")
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise io_error(e.errno or errno.EIO, what, p, None, None) from None
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a directory's entries durable (a new or renamed file in it survives a crash)."""
     try:
@@ -122,15 +149,20 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 class File:
-    """One open file. `direct_fd` is None where O_DIRECT is refused (tmpfs, some network filesystems)."""
+    """One open file. `direct_fd` is None where O_DIRECT is refused (tmpfs, some network filesystems).
 
-    def __init__(self, path: str | os.PathLike, mode: str = "c", *, direct: bool = True):
+    own: the file is one tierstore named inside a directory it was given (an extent file): both descriptors
+    are opened as [Note: tierstore's own files] says (no final symlink followed, regular files only)."""
+
+    def __init__(self, path: str | os.PathLike, mode: str = "c", *, direct: bool = True, own: bool = False):
         self.path = os.fspath(path)
         self.mode = mode
         flags = _flags(mode)
         try:
-            self.fd = os.open(self.path, flags, 0o644)
+            self.fd = own_open(self.path, flags) if own else os.open(self.path, flags, 0o644)
         except OSError as e:
+            if isinstance(e, TierstoreIOError) and e.errno != errno.ENOENT:
+                raise
             hint = ""
             if e.errno == errno.ENOENT:
                 parent = os.path.dirname(os.path.abspath(self.path))
@@ -140,18 +172,41 @@ class File:
         self.direct_fd: int | None = None
         if direct:
             try:
-                self.direct_fd = os.open(self.path, (flags & ~(os.O_CREAT | os.O_TRUNC)) | os.O_DIRECT)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    os.close(self.fd)
-                    raise io_error(e.errno or errno.EIO, "open (O_DIRECT)", self.path, None, None) from None
-                dev = os.fstat(self.fd).st_dev
-                with _warn_lock:
-                    if dev not in _no_direct_warned:
-                        _no_direct_warned.add(dev)
-                        log.info("%s: the filesystem refuses O_DIRECT; using buffered I/O there", self.path)
+                self.direct_fd = self._open_direct(flags, own)
+            except BaseException:
+                os.close(self.fd)
+                raise
         self.slots: dict[int, int] = {}  # fd -> registered-file slot (set by the io_uring backend)
         self.closed = False
+
+    def _open_direct(self, flags: int, own: bool) -> int | None:
+        """The O_DIRECT descriptor of the file `self.fd` has open, None where the filesystem refuses O_DIRECT.
+
+        A second open by name, so it must find the same file: an own file's name is not followed if a
+        symlink was put there in between, and any name that now leads to another file is refused."""
+        dflags = (flags & ~(os.O_CREAT | os.O_TRUNC)) | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0)
+        try:
+            dfd = os.open(self.path, dflags | (os.O_NOFOLLOW | os.O_NONBLOCK if own else 0))
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                hint = ("a symlink now stands where tierstore keeps its own file; tierstore never follows one "
+                        "there: remove the link") if e.errno == errno.ELOOP and own else ""
+                raise io_error(e.errno or errno.EIO, "open (O_DIRECT)", self.path, None, None, hint) from None
+            dev = os.fstat(self.fd).st_dev
+            with _warn_lock:
+                if dev not in _no_direct_warned:
+                    _no_direct_warned.add(dev)
+                    log.info("%s: the filesystem refuses O_DIRECT; using buffered I/O there", self.path)
+            return None
+        a, b = os.fstat(self.fd), os.fstat(dfd)
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+            os.close(dfd)
+            raise io_error(errno.ESTALE, "open (O_DIRECT)", self.path, None, None,
+                           "the name now leads to another file than the one opened a moment before (it was "
+                           "replaced meanwhile): nothing else may write into the directory")
+        if own:
+            os.set_blocking(dfd, True)
+        return dfd
 
     @property
     def direct(self) -> bool:
@@ -189,7 +244,8 @@ class File:
 class StripedFile:
     """One logical file striped RAID-0 over one file per directory, `stripe_unit` bytes at a time.
 
-    Logical stripe k lives in directory k % n at physical offset (k // n) * stripe_unit.
+    Logical stripe k lives in directory k % n at physical offset (k // n) * stripe_unit. `name` is one
+    tierstore chose, so each part is opened as its own file ([Note: tierstore's own files]).
     """
 
     def __init__(self, dirs: Sequence[str | os.PathLike], name: str, mode: str = "c", *,
@@ -204,7 +260,7 @@ class StripedFile:
         self.parts: list[File] = []
         try:
             for d in dirs:
-                self.parts.append(File(os.path.join(os.fspath(d), name), mode, direct=direct))
+                self.parts.append(File(os.path.join(os.fspath(d), name), mode, direct=direct, own=True))
         except BaseException:
             self.close()
             raise

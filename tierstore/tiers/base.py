@@ -220,8 +220,9 @@ class PersistentTier(Tier, Protocol):
     def commit_done(self, live: list) -> None:
         """The manifest naming exactly `live` is durable: reuse the space of every other freed extent."""
 
-    def check_extents(self, extents: list, path: str) -> None:
-        """Validate (field, extent) pairs read from the manifest at `path` against the files."""
+    def check_extents(self, extents: list, path: str, field: Callable[[int], str] | None = None) -> None:
+        """Validate the extents read from the manifest at `path` against the files; errors name extent i as
+        `field(i)` (default: extents[i])."""
 
     def adopt(self, extents: list) -> None:
         """Take the extents of a manifest read at open as allocated and committed."""

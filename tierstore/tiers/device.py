@@ -60,13 +60,64 @@ def to_dlpack_tensor(obj) -> torch.Tensor:
     return t
 
 
+def resolve_device(device) -> torch.device:
+    """The device a `device=` argument names: None is default_device(); otherwise 'cpu' or this machine's
+    accelerator (with an index it has). Anything else is a TierstoreValueError saying what to pass."""
+    from ..errors import TierstoreValueError
+
+    if device is None:
+        return default_device()
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    offer = (f"'cpu', {acc.type!r} (or {acc.type}:0 .. {acc.type}:{torch.accelerator.device_count() - 1})"
+             if acc is not None else "'cpu' (this machine has no accelerator)")
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device)):
+        raise TierstoreValueError(f"device={device!r} must be a str or torch.device: pass {offer}, or None for "
+                                  "the current accelerator")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise TierstoreValueError(f"device={device!r} is not a device torch knows: pass {offer}, or None for "
+                                  "the current accelerator") from None
+    if dev.type == "cpu":
+        return dev
+    if acc is None or dev.type != acc.type:
+        raise TierstoreValueError(f"device={device!r}: there is no {dev.type} device here: pass {offer}, or None "
+                                  "for the current accelerator")
+    if dev.index is not None and dev.index >= torch.accelerator.device_count():
+        raise TierstoreValueError(f"device={device!r}: this machine has {torch.accelerator.device_count()} "
+                                  f"{dev.type} device(s): pass {offer}")
+    return dev
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory `device` has (the machine's for the CPU), None where it is not known."""
+    if device.type == "cpu":
+        from ..io.pool import physical_memory
+
+        return physical_memory()
+    try:
+        return int(torch.accelerator.get_memory_info(device)[1])
+    except (RuntimeError, AttributeError, TypeError, ValueError):
+        return None
+
+
 class DeviceTier:
-    """Accelerator memory under a byte budget. `device=None` picks `default_device()`."""
+    """Accelerator memory under a byte budget. `device=None` picks `default_device()`; anything but 'cpu' or
+    this machine's accelerator is refused (resolve_device), and so is a budget above the device's memory."""
 
     name = "device"
 
     def __init__(self, budget_bytes: int | None, device: torch.device | str | None = None):
-        self.device = torch.device(device) if device is not None else default_device()
+        from .._units import fmt_bytes
+        from ..errors import TierstoreValueError
+
+        self.device = resolve_device(device)
+        memory = device_memory(self.device) if budget_bytes else None
+        if memory is not None and budget_bytes is not None and budget_bytes > memory:
+            raise TierstoreValueError(
+                f"device_budget={budget_bytes} is more than the {fmt_bytes(memory)} of memory {self.device} has "
+                f"({'the CPU stands in for the accelerator here' if self.device.type == 'cpu' else 'all of it'}): "
+                f"pass at most {memory} bytes, or None for no limit")
         self.budget = Budget("device", budget_bytes)
         self.stats = TierStats("device")
 

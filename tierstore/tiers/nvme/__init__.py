@@ -64,6 +64,10 @@ class NvmeTier:
         """The extent files opened so far, extent file k at index k."""
         return self._files.list
 
+    def file_bytes(self) -> int:
+        """The bytes of the extent files opened so far, every part in every directory together."""
+        return self._files.total_bytes()
+
     def file_paths(self, f: int, offset: int | None = None, length: int | None = None) -> list[str]:
         """The part files holding bytes of extent file `f` (those holding [offset, offset+length) if given)."""
         return self._files.paths(f, offset, length)
@@ -90,12 +94,12 @@ class NvmeTier:
         """The manifest naming exactly `live` is durable: free the pending extents it no longer names."""
         self.space.commit_done(live)
 
-    def check_extents(self, extents: list[tuple[str, Extent]], path: str) -> None:
-        """Before adopt(): every (field, extent) a manifest at `path` names lies inside an extent file that
-        exists and no two overlap (CorruptionError names the field); one reaching past the end of a part file
-        (a truncated file) is marked damaged. Creates, reads and allocates nothing."""
-        self.space.check(extents, path, len(self._files.list))
-        self._files.mark_damaged([e for _field, e in extents])
+    def check_extents(self, extents: list[Extent], path: str, field: Callable[[int], str] | None = None) -> None:
+        """Before adopt(): every extent a manifest at `path` names lies inside an extent file that exists and
+        no two overlap (CorruptionError names extent i as `field(i)`); one reaching past the end of a part
+        file (a truncated file) is marked damaged. Creates, reads and allocates nothing."""
+        self.space.check(extents, path, len(self._files.list), field or (lambda i: f"extents[{i}]"))
+        self._files.mark_damaged(extents)
 
     def adopt(self, extents: list[Extent]) -> None:
         """Reopen: the manifest's extents (checked by check_extents) are the only used space."""

@@ -12,6 +12,7 @@ import bisect
 import struct
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from ...errors import CorruptionError, MisuseError, TierFullError, TierstoreValueError
@@ -154,19 +155,26 @@ class Extent:
         return d
 
     @classmethod
-    def from_json(cls, d, path: str | None = None, field: str = "extent") -> Extent:
+    def from_json(cls, d, path: str | None = None, field: str | Callable[[], str] = "extent") -> Extent:
         """The extent a manifest entry describes, its fields checked (types, ranges, alignment; whether it lies
-        inside the extent files is ExtentSpace.check's). CorruptionError names `path` and `field`."""
+        inside the extent files is ExtentSpace.check's). CorruptionError names `path` and `field` (or what
+        `field()` returns: a caller's field name is then built only for an error)."""
         def bad(what: str) -> CorruptionError:
-            return CorruptionError(f"the manifest {path}: field {field}: {what}; it is damaged or was not written "
-                                   "by tierstore: restore it from a backup", path)
+            name = field() if callable(field) else field
+            return CorruptionError(f"the manifest {path}: field {name}: {what}; it is damaged or was not "
+                                   "written by tierstore: restore it from a backup", path)
         keys = ("file", "offset", "length", "alloc", "crc32c")
-        if not isinstance(d, dict) or not all(type(d.get(k)) is int and d[k] >= 0 for k in keys):
+        try:
+            f, off, length, alloc, crc = d["file"], d["offset"], d["length"], d["alloc"], d["crc32c"]
+        except (TypeError, KeyError, IndexError):
+            f = off = length = alloc = crc = None
+        if not (type(d) is dict and type(f) is int and type(off) is int and type(length) is int
+                and type(alloc) is int and type(crc) is int) or min(f, off, length, alloc, crc) < 0:
             raise bad(f"{str(d)[:120]} is not {{{', '.join(keys)}}} of non-negative integers")
-        e = cls(d["file"], d["offset"], d["length"], d["alloc"], d["crc32c"])
-        if e.crc >= 1 << 32:
-            raise bad(f"crc32c {e.crc} is not 32 bits")
-        if e.offset % ALIGN or e.alloc != align_up(e.length) or (e.length == 0 and (e.file or e.offset or e.crc)):
+        e = cls(f, off, length, alloc, crc)
+        if crc >= 1 << 32:
+            raise bad(f"crc32c {crc} is not 32 bits")
+        if off % ALIGN or alloc != (length + ALIGN - 1) // ALIGN * ALIGN or (length == 0 and (f or off or crc)):
             raise bad(f"{e!r} is not a {ALIGN}-byte aligned extent of align_up(length) bytes")
         b = d.get("block_crc32c")
         if b is not None:
@@ -380,24 +388,24 @@ class ExtentSpace:
                 self._release_when_written(e)
 
     # -- reopen -----------------------------------------------------------------------------------------
-    def check(self, extents: list[tuple[str, Extent]], path: str, nfiles: int) -> None:
-        """Every (field, extent) a manifest at `path` names lies in one of the `nfiles` extent files that exist,
-        and no two overlap; else CorruptionError naming the field."""
+    def check(self, extents: list[Extent], path: str, nfiles: int, field: Callable[[int], str]) -> None:
+        """Every extent a manifest at `path` names lies in one of the `nfiles` extent files that exist, and no
+        two overlap; else CorruptionError naming extent i as `field(i)`."""
         spans = []
-        for field, e in extents:
+        for i, e in enumerate(extents):
             if not e.alloc:
                 continue
             if e.file >= nfiles:
                 raise CorruptionError(
-                    f"the manifest {path}: field {field}.file: extent file {EXTENT_FILE.format(e.file)} does not "
-                    f"exist in every directory (this store has {nfiles}); restore the store's files or "
+                    f"the manifest {path}: field {field(i)}.file: extent file {EXTENT_FILE.format(e.file)} does "
+                    f"not exist in every directory (this store has {nfiles}); restore the store's files or "
                     "the manifest from a backup", path)
-            spans.append((e.file, e.offset, e.alloc, field))
+            spans.append((e.file, e.offset, e.alloc, i))
         spans.sort()
-        for (f, a, an, fa), (g, b, _bn, fb) in zip(spans, spans[1:]):
+        for (f, a, an, ia), (g, b, _bn, ib) in zip(spans, spans[1:]):
             if f == g and a + an > b:
-                raise CorruptionError(f"the manifest {path}: field {fb}: its extent overlaps that of {fa}; "
-                                      "the manifest is damaged: restore it from a backup", path)
+                raise CorruptionError(f"the manifest {path}: field {field(ib)}: its extent overlaps that of "
+                                      f"{field(ia)}; the manifest is damaged: restore it from a backup", path)
 
     def adopt(self, extents: list[Extent]) -> None:
         """Reopen: the manifest's extents (checked by check()) are the only used space."""

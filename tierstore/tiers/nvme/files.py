@@ -26,7 +26,7 @@ class ExtentFiles:
         """Open the extent files present in every directory (creating nothing: a manifest naming a file
         beyond them is refused by ExtentSpace.check)."""
         k = 0
-        while all(os.path.exists(os.path.join(d, EXTENT_FILE.format(k))) for d in self.dirs):
+        while all(os.path.lexists(os.path.join(d, EXTENT_FILE.format(k))) for d in self.dirs):
             self.get(k)
             k += 1
 
@@ -34,12 +34,16 @@ class ExtentFiles:
         """Extent file `f`, opened (and created, with those before it, unless read-only) if it is not yet."""
         while len(self.list) <= f:
             name = EXTENT_FILE.format(len(self.list))
-            new = not all(os.path.exists(os.path.join(d, name)) for d in self.dirs)
+            new = not all(os.path.lexists(os.path.join(d, name)) for d in self.dirs)
             self.list.append(self.engine.open_striped(self.dirs, name, "r" if self.read_only else "c",
                                                       stripe_unit=self.stripe_unit))
             if new:
                 self.dirs_unsynced = True  # the new names must be durable before a manifest names them
         return self.list[f]
+
+    def total_bytes(self) -> int:
+        """The bytes of every part of every extent file opened so far."""
+        return sum(p.size() for sf in self.list for p in sf.parts)
 
     def paths(self, f: int, offset: int | None = None, length: int | None = None) -> list[str]:
         """The part files holding bytes of extent file `f` (those holding [offset, offset+length) if given)."""
@@ -53,14 +57,22 @@ class ExtentFiles:
 
         An extent file cut short damages the tensors past the cut, not the store: they are refused when read
         (check_readable), before anything is allocated for them; the others stay readable."""
-        sizes: dict[int, list[int]] = {}  # extent file -> size of each part, bytes
+        top: dict[int, int] = {}  # extent file -> the end of its last extent
         for e in extents:
-            if not e.alloc:
-                continue
-            sf = self.list[e.file]
-            if e.file not in sizes:
-                sizes[e.file] = [p.size() for p in sf.parts]
-            e.damaged = any(sizes[e.file][k] < need for k, need in part_needs(sf, e.offset, e.offset + e.alloc))
+            if e.alloc and e.offset + e.alloc > top.get(e.file, 0):
+                top[e.file] = e.offset + e.alloc
+        sizes: dict[int, list[int]] = {}  # extent file -> size of each part, bytes, where some part is short
+        for f, end in top.items():
+            sf = self.list[f]
+            got = [p.size() for p in sf.parts]
+            if any(got[k] < need for k, need in part_needs(sf, 0, end)):  # else no extent of it reaches past
+                sizes[f] = got
+        if not sizes:
+            return
+        for e in extents:
+            if e.alloc and e.file in sizes:
+                sf = self.list[e.file]
+                e.damaged = any(sizes[e.file][k] < need for k, need in part_needs(sf, e.offset, e.offset + e.alloc))
 
     def take_unsynced(self) -> tuple[set[int], bool]:
         """The files and directories to fsync, forgotten here (give them back with keep_unsynced on failure)."""
