@@ -143,6 +143,6 @@ def test_release_model_takes_the_replacements_back(tmp_path):
                                                                                optimizer_states="host",
                                                                                gradients="host"))
     model = release_model(opt)
-    assert not any(k in m.__dict__ for m in model.modules() for k in ("_apply", "__deepcopy__"))
+    assert not any(k in m.__dict__ for m in model.modules() for k in ("_apply", "__deepcopy__", "_ddp_params_and_buffers_to_ignore"))
     assert model.half().fc1.weight.dtype == torch.float16
     assert copy.deepcopy(model).fc1.weight.dtype == torch.float16

@@ -29,6 +29,8 @@ error, so the optimizer gives every module of its model instance-level replaceme
   optimizer was built, so a resize cannot keep the new rows in the partitions and the optimizer; it raises
   MisuseError naming the order that works: resize, then build the optimizer (or ``release_model(opt)``,
   resize, and build a new one).
+- ``_ddp_params_and_buffers_to_ignore``: wrapping the model in DistributedDataParallel raises, naming the
+  supported calls ([Note: DistributedDataParallel around a ZeRO-3 model] below).
 """
 from __future__ import annotations
 
@@ -42,9 +44,6 @@ import torch
 
 from ..errors import MisuseError
 
-# instance attributes of the model's modules that belong to the optimizer: never copied into a deepcopy
-_OWN_ATTRS = ("_apply", "__deepcopy__", "resize_token_embeddings", "_load_from_state_dict")
-
 
 def install(ms) -> list:
     """Give every module of `ms.model` (ms: the optimizer's ModuleState) the replacements of [Note: whole-model
@@ -52,13 +51,14 @@ def install(ms) -> list:
     guard = _Guard(ms)
     handles = []
     for m in ms.model.modules():
-        m.__dict__["_apply"] = _bound(guard.apply, m)
-        m.__dict__["__deepcopy__"] = _bound(guard.deepcopy, m)
-        names = ["_apply", "__deepcopy__"]
+        values = {"_apply": _bound(guard.apply, m), "__deepcopy__": _bound(guard.deepcopy, m),
+                  _DDP_IGNORE: _RefuseDataParallel()}
         if callable(getattr(type(m), "resize_token_embeddings", None)):
-            m.__dict__["resize_token_embeddings"] = _bound(guard.resize, m)
-            names.append("resize_token_embeddings")
-        handles += [_Attr(m, n, m.__dict__[n]) for n in names]
+            values["resize_token_embeddings"] = _bound(guard.resize, m)
+        for name, value in values.items():
+            h = _Attr(m, name, value)
+            guard.attrs[(id(m), name)] = h
+            handles.append(h)
     return handles
 
 
@@ -72,22 +72,61 @@ def _bound(fn, module: torch.nn.Module):
     return call
 
 
+_MISSING = object()
+
+
 class _Attr:
-    """Handle that takes back an instance attribute, if it is still the one set."""
+    """Sets an instance attribute of a module; remove() puts back what was there, if it is still the one set."""
 
     def __init__(self, module: torch.nn.Module, name: str, value):
         self.module, self.name, self.value = weakref.ref(module), name, value
+        self.previous = module.__dict__.get(name, _MISSING)
+        module.__dict__[name] = value
 
     def remove(self) -> None:
         m = self.module()
-        if m is not None and m.__dict__.get(self.name) is self.value:
+        if m is None or m.__dict__.get(self.name) is not self.value:
+            return
+        if self.previous is _MISSING:
             del m.__dict__[self.name]
+        else:
+            m.__dict__[self.name] = self.previous
+
+
+# [Note: DistributedDataParallel around a ZeRO-3 model]
+# DDP all-reduces every parameter's gradient into a bucket laid out at the parameters' shapes when it wraps
+# the model; a managed parameter's shape then is the empty placeholder's, and its gradient arrives full
+# ("returned an invalid gradient") -- and ZeRO-3 reduce-scatters the gradients into its partitions itself, so
+# a second reduction would be wrong even if the shapes agreed. DDP reads the names it should leave alone
+# from the module's ``_ddp_params_and_buffers_to_ignore`` when it is built (accelerate's ``prepare`` and
+# Trainer build it the same way); every module of a ZeRO-3 model carries there an object that refuses to
+# be read, so the wrap itself raises MisuseError naming the supported call, before DDP touches anything.
+_DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
+
+
+class _RefuseDataParallel:
+    """What a ZeRO-3 model's modules hold under ``_ddp_params_and_buffers_to_ignore``: reading it raises. See
+    [Note: DistributedDataParallel around a ZeRO-3 model]."""
+
+    def __iter__(self):
+        raise MisuseError(
+            "torch.nn.parallel.DistributedDataParallel (or another wrapper that all-reduces gradients) around a "
+            "model whose parameters a Zero3Optimizer partitions: ZeRO-3 already reduce-scatters every gradient "
+            "into its partitions over the optimizer's process group, so use the model unwrapped -- in a "
+            "training loop call it directly (each rank its own batch, as with DDP); with accelerate call "
+            "tierstore.integrations.accelerate.prepare(accelerator, model, opt, *loaders_and_schedulers) in "
+            "place of accelerator.prepare(model, opt, ...); with transformers' Trainer use "
+            "tierstore.integrations.trainer.TierstoreTrainer")
+
+    def __repr__(self) -> str:
+        return "<refused: this model is partitioned by a Zero3Optimizer>"
 
 
 class _Guard:
     def __init__(self, ms):
         self.ms = ms
         self._local = threading.local()  # depth of a running _apply: children's calls are checked once
+        self.attrs: dict[tuple[int, str], _Attr] = {}  # (id(module), name) -> the instance attribute set
 
     # -- to() / half() ---------------------------------------------------------------------------------
     def apply(self, module: torch.nn.Module, fn, recurse: bool = True):
@@ -162,7 +201,12 @@ class _Guard:
                 state = {k: v for k, v in state.items() if k != "forward"}
         out = {}
         for k, v in state.items():
-            if k in _OWN_ATTRS or (k == "zero_grad" and isinstance(v, functools.partial)):
+            mine = self.attrs.get((id(module), k))
+            if mine is not None and v is mine.value:  # ours: the copy gets what the module had before
+                if mine.previous is not _MISSING:
+                    out[k] = mine.previous
+                continue
+            if k == "_load_from_state_dict" or (k == "zero_grad" and isinstance(v, functools.partial)):
                 continue
             if isinstance(v, dict) and id(v) in ours:
                 v = type(v)((i, h) for i, h in v.items() if i not in ours[id(v)])
