@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None, help="peak learning rate, reached linearly over --warmup steps "
                    "(default 6e-4; --big: 2e-4 -- see _BIG_LR)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="steps of linear learning-rate warmup (default 5; --big: 1)")
+                   help=f"steps of linear learning-rate warmup (default {_WARMUP}; --big: 1)")
     p.add_argument("--states", choices=("fp32", "dynamic8"), default="fp32", help="optimizer states' encoding")
     p.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction, default=True,
                    help="run each block under torch.utils.checkpoint (default on: activations stay one tensor "
@@ -70,6 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # run (195 x 1024) went 5.57 -> 5.64 -> 10.28 -> 5.37 at 2e-4 and 5.57 -> 5.86 -> 10.27 at 1e-5; torch's own AdamW
 # in memory, 48 x 1024 at 1e-5, 5.46 -> 6.32 -> 4.97 -> 4.25, and tierstore gave the same losses bit for bit.
 _BIG_LR = 2e-4
+
+# Steps of linear warmup to the peak rate (default runs). Adam's first steps move every element by about the
+# rate whatever its gradient, so a short ramp at width 1024 throws the loss up: 5 steps to 6e-4 gave 5.55 -> 6.62
+# at step 2 on 2 x 1024 (8.3 at step 3 on the default 8 x 1024); on 2 x 1024, 10 steps give 5.55 -> 4.95 -> 3.82
+# and a falling curve from there. 10 is a quarter of the default 40 steps.
+_WARMUP = 10
 
 
 def _store_bytes_per_param(states: str) -> int:
@@ -108,10 +114,7 @@ def run(args) -> int:
         args.ram = ram
     else:
         args.ram = None
-    if args.lr is None:
-        args.lr = _BIG_LR if args.big else 6e-4
-    if args.warmup is None:
-        args.warmup = 1 if args.big else 5
+    _default_rate(args)
     if args.width is None or args.layers is None:
         w, l_ = shape_for(args.params)
         args.width = args.width or w
@@ -404,6 +407,14 @@ def _panels(report: dict):
                                        (report["states_bytes"] / mib,
                                         f"training states {fmt_bytes(report['states_bytes'])}")])
     return [loss, io, times, mem]
+
+
+def _default_rate(args) -> None:
+    """--lr and --warmup where the user left them out."""
+    if args.lr is None:
+        args.lr = _BIG_LR if args.big else 6e-4
+    if args.warmup is None:
+        args.warmup = 1 if args.big else _WARMUP
 
 
 def _warm(opt, args, i: int) -> None:
