@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from tests.support import batches, cfg, loss_fn, make_pair
+from tests.support import batches, cfg, loss_fn, make_pair, run_ranks
 from tierstore.errors import MisuseError
 from tierstore.zero import OffloadConfig, Zero3Optimizer, release_model
 
@@ -143,6 +143,28 @@ def test_release_model_takes_the_replacements_back(tmp_path):
                                                                                optimizer_states="host",
                                                                                gradients="host"))
     model = release_model(opt)
-    assert not any(k in m.__dict__ for m in model.modules() for k in ("_apply", "__deepcopy__", "_ddp_params_and_buffers_to_ignore"))
+    ours = ("_apply", "__deepcopy__", "_ddp_params_and_buffers_to_ignore")
+    assert not any(k in m.__dict__ for m in model.modules() for k in ours)
     assert model.half().fc1.weight.dtype == torch.float16
     assert copy.deepcopy(model).fc1.weight.dtype == torch.float16
+
+
+def _deepcopy_at_world(rank, world):
+    _r, m = make_pair()
+    opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=OffloadConfig(params="host",
+                                                                             optimizer_states="host",
+                                                                             gradients="host"))
+    try:
+        _train(m, opt, batches(2, seed=3 + rank))
+        full = m.state_dict()
+        twin = copy.deepcopy(m)
+    finally:
+        opt.close()
+    return full, {k: v.detach() for k, v in twin.state_dict().items()}
+
+
+def test_deepcopy_at_world_size_2_gives_every_rank_the_whole_model():
+    out = run_ranks(_deepcopy_at_world, 2)
+    for full, twin in out:
+        assert set(twin) == set(out[0][0])
+        assert all(torch.equal(twin[k], out[0][0][k]) and torch.equal(full[k], out[0][0][k]) for k in twin)
