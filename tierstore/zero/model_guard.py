@@ -127,6 +127,8 @@ class _Guard:
         self.ms = ms
         self._local = threading.local()  # depth of a running _apply: children's calls are checked once
         self.attrs: dict[tuple[int, str], _Attr] = {}  # (id(module), name) -> the instance attribute set
+        self._ours: dict[int, set[int]] | None = None  # see _without_optimizer
+        self._forwards: set[int] = set()  # id() of the modules given an instance forward by the coordinator
 
     # -- to() / half() ---------------------------------------------------------------------------------
     def apply(self, module: torch.nn.Module, fn, recurse: bool = True):
@@ -191,14 +193,18 @@ class _Guard:
 
     def _without_optimizer(self, module: torch.nn.Module, state: dict) -> dict:
         """`module`'s state without what the optimizer put there: its hooks and instance attributes."""
-        ours: dict[int, set[int]] = {}
-        for h in list(self.ms.coordinator._handles) + list(self.ms._handles):
-            for ref in (getattr(h, "hooks_dict_ref", None), *getattr(h, "extra_dict_ref", ())):
-                d = ref() if ref is not None else None
-                if d is not None:
-                    ours.setdefault(id(d), set()).add(h.id)
-            if getattr(h, "module", None) is module and type(h).__name__ == "_InstanceForward":
-                state = {k: v for k, v in state.items() if k != "forward"}
+        if self._ours is None:  # the optimizer's hooks, installed once: id(hooks dict) -> hook ids
+            self._ours, self._forwards = {}, set()
+            for h in list(self.ms.coordinator._handles) + list(self.ms._handles):
+                for ref in (getattr(h, "hooks_dict_ref", None), *getattr(h, "extra_dict_ref", ())):
+                    d = ref() if ref is not None else None
+                    if d is not None:
+                        self._ours.setdefault(id(d), set()).add(h.id)
+                if type(h).__name__ == "_InstanceForward":
+                    self._forwards.add(id(h.module))
+        ours = self._ours
+        if id(module) in self._forwards:
+            state = {k: v for k, v in state.items() if k != "forward"}
         out = {}
         for k, v in state.items():
             mine = self.attrs.get((id(module), k))
