@@ -12,7 +12,8 @@ and the bytes on disk, the time split (module compute / waiting for I/O / optimi
                      optimizer, gives the same losses bit for bit as the uninterrupted run
   within the budget  what training added to the process's resident memory (its peak over the resident size
                      before the model was built: Python, torch and the text) stayed under --budget, which
-                     is several times smaller than the training states on disk
+                     is several times smaller than the training states on disk (default: a third of the
+                     states plus what the configuration lets be in flight: [Note: the budget and the load])
   equal to torch     (a small model, --exact-steps) Zero3Optimizer with everything on nvme gives the same
                      losses as torch.optim.AdamW in memory, step for step
 A PNG (loss curve, per-step nvme I/O, memory timeline) and a JSON of every figure are written to --out.
@@ -50,13 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None, help="peak learning rate, reached linearly over --warmup steps "
                    "(default 6e-4; --big: 2e-4 -- see _BIG_LR)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="steps of linear learning-rate warmup (default 5; --big: 1)")
+                   help=f"steps of linear learning-rate warmup (default {_WARMUP}; --big: 1)")
     p.add_argument("--states", choices=("fp32", "dynamic8"), default="fp32", help="optimizer states' encoding")
     p.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction, default=True,
                    help="run each block under torch.utils.checkpoint (default on: activations stay one tensor "
                         "per layer, so memory does not grow with depth)")
     p.add_argument("--budget", type=size_arg, default=None,
-                   help="resident memory training may add (default: a third of the training states' bytes)")
+                   help="resident memory training may add (default: a third of the training states' bytes, plus "
+                        "the buffers the configuration lets be in flight at once)")
     p.add_argument("--pinned", type=size_arg, default=32 << 20, help="the store's page-locked budget (32M)")
     p.add_argument("--text", type=size_arg, default=8 << 20, help="bytes of stdlib source to train on (8M)")
     p.add_argument("--exact-steps", type=int, default=8,
@@ -70,6 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # run (195 x 1024) went 5.57 -> 5.64 -> 10.28 -> 5.37 at 2e-4 and 5.57 -> 5.86 -> 10.27 at 1e-5; torch's own AdamW
 # in memory, 48 x 1024 at 1e-5, 5.46 -> 6.32 -> 4.97 -> 4.25, and tierstore gave the same losses bit for bit.
 _BIG_LR = 2e-4
+
+# Steps of linear warmup to the peak rate (default runs). Adam's first steps move every element by about the
+# rate whatever its gradient, so a short ramp at width 1024 throws the loss up: 5 steps to 6e-4 gave 5.55 -> 6.62
+# at step 2 on 2 x 1024 (8.3 at step 3 on the default 8 x 1024); on 2 x 1024, 10 steps give 5.55 -> 4.95 -> 3.82
+# and a falling curve from there. 10 is a quarter of the default 40 steps.
+_WARMUP = 10
 
 
 def _store_bytes_per_param(states: str) -> int:
@@ -108,10 +116,7 @@ def run(args) -> int:
         args.ram = ram
     else:
         args.ram = None
-    if args.lr is None:
-        args.lr = _BIG_LR if args.big else 6e-4
-    if args.warmup is None:
-        args.warmup = 1 if args.big else 5
+    _default_rate(args)
     if args.width is None or args.layers is None:
         w, l_ = shape_for(args.params)
         args.width = args.width or w
@@ -155,6 +160,24 @@ def _config(path: str, args, **kw):
     return zero.OffloadConfig(nvme_paths=[path], sub_group_bytes=16 << 20, min_io_bytes=1 << 20,
                               pinned_bytes=args.pinned, prefetch_depth=2,
                               state_codec=None if args.states == "fp32" else args.states, **kw)
+
+
+def _in_flight_bytes(cfg) -> int:
+    """Bytes of buffers the configuration `cfg` lets be alive at once and the timing decides whether they are at
+    the peak: shards read ahead, the step pipeline's buffers, the store's pinned pool.
+
+    [Note: the budget and the load]
+    The demo's resident memory has a part that depends on the model (one layer gathered, its gradients and
+    activations) and a part that depends on timing: shards read ahead of the forward (up to prefetch_bytes
+    beyond prefetch_depth sub-groups), the step pipeline's lent buffers (2 x pipeline_depth sub-groups) and
+    the pinned pool writes go through. Each is bounded by the configuration, but whether they are all alive
+    at the moment of the peak depends on how fast the disk and the cores are then: the default run has
+    added 372 MiB in one run and 513 MiB in another, on a loaded machine. A check that decides ``make demo``'s
+    success must not follow the load, so the default budget is a third of the states plus this bound -- the
+    most those buffers can hold, whatever the timing -- and the summary shows both parts."""
+    sg = cfg.sub_group_bytes
+    queued = cfg.pipeline_depth * sg if cfg.overlap_step else 0  # sub-groups backward queues for the step
+    return cfg.prefetch_bytes + cfg.prefetch_depth * sg + 2 * cfg.pipeline_depth * sg + queued + cfg.pinned_bytes
 
 
 def _exactness(args, root: str, report: dict) -> bool:
@@ -307,8 +330,9 @@ def _train(args, root: str, report: dict) -> bool:
     nvme1 = {"read": sum(s["read_bytes"] for s in steps), "write": sum(s["write_bytes"] for s in steps)}
     states_bytes = sum(sum(v.values()) for v in kinds.values())
     peak = max(s["peak_rss"] for s in steps)
-    if budget is None:
-        budget = states_bytes // 3
+    in_flight = _in_flight_bytes(cfg)
+    if budget is None:  # [Note: the budget and the load]
+        budget = states_bytes // 3 + in_flight
     added = peak - base_rss  # bytes of resident memory the model and its training added
     # -- the summary ---------------------------------------------------------------------------------------
     tiers = ("device", "host", "nvme")
@@ -323,6 +347,7 @@ def _train(args, root: str, report: dict) -> bool:
         ["resident before the model (Python, torch, text)", fmt_bytes(base_rss), ""],
         ["peak RSS of the process (VmHWM)", fmt_bytes(peak), f"+{fmt_bytes(added)} for the model and training"],
         ["memory budget", fmt_bytes(budget), f"{states_bytes / budget:.1f}x smaller than the states"],
+        ["  of which buffers in flight, at most", fmt_bytes(in_flight), "read-ahead, step pipeline, pinned pool"],
         ["training states (store)", fmt_bytes(states_bytes), f"{states_bytes / peak:.1f}x the peak RSS"],
         ["files on disk (allocated)", fmt_bytes(on_disk), f"{on_disk / peak:.1f}x the peak RSS"],
         ["nvme read / written, all steps", f"{fmt_bytes(nvme1['read'])} / {fmt_bytes(nvme1['write'])}",
@@ -370,7 +395,8 @@ def _train(args, root: str, report: dict) -> bool:
     report.update({
         "parameters": n_params, "width": args.width, "layers": args.layers, "context": args.context,
         "batch": args.batch, "states": args.states, "text_bytes": len(text), "text_files": files,
-        "budget": budget, "peak_rss": peak, "base_rss": base_rss, "added_rss": added, "states_bytes": states_bytes,
+        "budget": budget, "in_flight": in_flight, "peak_rss": peak, "base_rss": base_rss, "added_rss": added,
+        "states_bytes": states_bytes,
         "on_disk": on_disk,
         "bytes_by_kind": kinds, "steps": steps, "resume_at": resume_at, "resumed": resumed, "ram": args.ram,
         "seconds": {"wall": wall, "compute": comp, "wait": wait, "step": stp, "build": build_s,
@@ -404,6 +430,14 @@ def _panels(report: dict):
                                        (report["states_bytes"] / mib,
                                         f"training states {fmt_bytes(report['states_bytes'])}")])
     return [loss, io, times, mem]
+
+
+def _default_rate(args) -> None:
+    """--lr and --warmup where the user left them out."""
+    if args.lr is None:
+        args.lr = _BIG_LR if args.big else 6e-4
+    if args.warmup is None:
+        args.warmup = 1 if args.big else _WARMUP
 
 
 def _warm(opt, args, i: int) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import MisuseError
-from . import _dist
+from . import _dist, model_guard
 from ._layout import Layout
 from .phase import Phase
 
@@ -78,6 +78,7 @@ class ModuleState:
             if self._own(m):
                 m._load_from_state_dict = types.MethodType(_load_hook(self), m)  # type: ignore[method-assign]
                 self._handles.append(_InstanceAttr(m, "_load_from_state_dict"))
+        self._handles += model_guard.install(self)  # [Note: whole-model operations on a ZeRO-3 model]
 
     def remove(self) -> None:
         for h in self._handles:
