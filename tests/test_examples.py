@@ -50,3 +50,10 @@ def test_accelerate_example(tmp_path):
     pytest.importorskip("transformers")
     out = run(tmp_path, "examples/accelerate_gpt2.py", "--steps", "4")
     assert "resumed from save_state equal: True" in out
+
+
+def test_trainer_under_torchrun_two_processes(tmp_path):
+    pytest.importorskip("transformers")
+    out = run(tmp_path, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+              "examples/trainer_ddp.py", "--steps", "4")
+    assert "world 2: trained 4 steps, global batch 8" in out and "world 2: resumed run equal: True" in out

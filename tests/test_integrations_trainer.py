@@ -131,3 +131,63 @@ def test_refuses_what_it_cannot_do_right(tmp_path):
     ts = TierstoreTrainer(model=gpt2(), args=targs(tmp_path / "d"), train_dataset=dataset())
     with pytest.raises(TierstoreValueError, match=OPTIMIZER_DIR):
         ts.train(resume_from_checkpoint=str(tmp_path / "p" / "checkpoint-2"))
+
+
+# -- several processes -----------------------------------------------------------------------------------------
+def _recording(cls):
+    """`cls` (Trainer or TierstoreTrainer) recording every micro-batch's loss, unrounded (Trainer logs 4 digits)."""
+    class Recording(cls):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if model.training:
+                self.losses.append(float(out.detach()))
+            return out
+    return Recording
+
+
+def _rank_trainer(rank, world, root, kind, resume=None):
+    """One rank of a Trainer run over `world` processes: (micro-batch losses, logged grad norms, eval losses)."""
+    import os
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    out = f"{root}/{kind}"
+    args = targs(out, per_device_train_batch_size=8 // world, eval_strategy="steps", eval_steps=2,
+                 per_device_eval_batch_size=4)
+    assert args.world_size == world
+    if kind.startswith("plain"):
+        t = _recording(Trainer)(model=gpt2(), args=args, train_dataset=dataset(), eval_dataset=dataset(8))
+    else:
+        cfg = OffloadConfig(params="host", optimizer_states="nvme", gradients="host",
+                            nvme_paths=[f"{root}/nv-{kind}-{rank}"])
+        t = _recording(TierstoreTrainer)(model=gpt2(), args=args, train_dataset=dataset(), eval_dataset=dataset(8),
+                                         offload_config=cfg)
+    t.losses = []
+    t.train(resume_from_checkpoint=resume)
+    t.save_model(f"{out}/final")
+    evals = [h["eval_loss"] for h in t.state.log_history if "eval_loss" in h]
+    return t.losses, norms(t), evals
+
+
+def test_trainer_at_two_processes_matches_ddp_and_resumes_at_another_world_size(tmp_path):
+    """TierstoreTrainer under 2 processes (gloo): every rank's micro-batch losses, the logged gradient norms,
+    the eval losses and the saved weights equal a plain Trainer's under DDP at the same global batch; a run
+    resumed from its world-2 checkpoint-2 in one process ends where the world-2 run ended."""
+    from tests.support import run_ranks
+    plain = run_ranks(_rank_trainer, 2, str(tmp_path), "plain")
+    ts = run_ranks(_rank_trainer, 2, str(tmp_path), "ts")
+    for (pl, pn, pe), (tl, tn, te) in zip(plain, ts):
+        assert len(tl) == 4 and tl == pytest.approx(pl, rel=0, abs=1e-5)
+        assert len(tn) == 4 and tn == pytest.approx(pn, rel=1e-5)
+        assert len(te) == 2 and te == pytest.approx(pe, rel=0, abs=1e-5)
+    assert plain[0][0] != plain[1][0]  # each rank saw its own half of the global batch
+    for sub in ("final", "checkpoint-2", "checkpoint-4"):
+        a, b = weights(tmp_path / "plain" / sub), weights(tmp_path / "ts" / sub)
+        assert sorted(a) == sorted(b)
+        for k in a:
+            assert torch.allclose(a[k], b[k], rtol=0, atol=1e-5), (sub, k)
+    assert (tmp_path / "ts" / "checkpoint-2" / OPTIMIZER_DIR).is_dir()
+    # the world-2 checkpoint resumed by one process at the same global batch (8)
+    [(_losses, rn, _e)] = run_ranks(_rank_trainer, 1, str(tmp_path), "ts1", str(tmp_path / "ts" / "checkpoint-2"))
+    assert rn == pytest.approx(ts[0][1], rel=1e-5)
+    a, b = weights(tmp_path / "ts" / "final"), weights(tmp_path / "ts1" / "final")
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-5), k

@@ -25,9 +25,18 @@ live in the store, so each of those calls is replaced where Trainer offers a met
   of ``optimizer.pt``; ``resume_from_checkpoint`` continues exactly.
 Refused with an error that says what to do: fp16/bf16 autocast flags (``TrainingArguments(fp16/bf16=True)``:
 use ``OffloadConfig(compute_dtype=torch.bfloat16)``), ``compute_dtype=torch.float16`` (its loss scale would
-not reach Trainer's backward), an ``args.optim`` other than AdamW without ``optimizer_class``, and more than
-one process (Trainer would wrap the model in DistributedDataParallel, which all-reduces gradients ZeRO-3
-already reduce-scatters: use the accelerate path or a plain loop under torchrun).
+not reach Trainer's backward), and an ``args.optim`` other than AdamW without ``optimizer_class``.
+
+[Note: TierstoreTrainer at N processes]
+Under torchrun or ``accelerate launch`` Trainer runs one process per device and would wrap the model in
+DistributedDataParallel (``accelerator.prepare(model, optimizer)``), whose all-reduce of ``.grad`` fights the
+reduce-scatter ZeRO-3 already does into each rank's partition. ``_wrap_model`` therefore registers the model
+with accelerate through ``prepare_model(evaluation_mode=True)`` (no DDP; accelerate then treats it as
+prepared), and everything else stays Trainer's: the data loader is accelerate's, so each rank reads its share
+of every global batch (``per_device_train_batch_size`` x N, as under DDP); gradients are averaged over the
+ranks as DDP averages them, so losses, logged norms and weights equal a DDP run's; eval runs on every rank.
+``save_model`` gathers the weights on every rank (a collective) and the main process writes them; the
+optimizer checkpoint is written by every rank and resumes at any world size.
 """
 from __future__ import annotations
 
@@ -81,12 +90,6 @@ class TierstoreTrainer(Trainer):
             raise TierstoreValueError("TierstoreTrainer: compute_dtype=torch.float16 needs the optimizer's loss "
                                       "scale on the loss, which Trainer's backward does not apply; use "
                                       "compute_dtype=torch.bfloat16 (no loss scaling) or a plain loop")
-        if a.world_size > 1:
-            raise TierstoreValueError(
-                f"TierstoreTrainer runs in one process (this is {a.world_size}): Trainer wraps the model in "
-                f"DistributedDataParallel, whose all-reduce would fight ZeRO-3's own reduce-scatter. For "
-                f"several processes use tierstore.integrations.accelerate.prepare or a plain loop under "
-                f"torchrun (examples/torchrun_train.py)")
         if self.optimizer is not None and not isinstance(self.optimizer, Zero3Optimizer):
             raise TierstoreValueError(f"TierstoreTrainer(optimizers=({type(self.optimizer).__name__}, ...)): give "
                                       f"a Zero3Optimizer over this model, or none and let offload_config build it")
@@ -125,6 +128,26 @@ class TierstoreTrainer(Trainer):
         if opt is None:
             raise MisuseError("TierstoreTrainer: no optimizer yet (create_optimizer() or train() builds it)")
         return opt
+
+    # -- several processes ---------------------------------------------------------------------------------
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        """Trainer's wrapping, except DistributedDataParallel: the model is registered with accelerate as
+        prepared (autocast and the rest of prepare_model's evaluation path apply, DDP does not), so Trainer's
+        ``accelerator.prepare(model, optimizer)`` leaves it to ZeRO-3's hooks. See [Note: TierstoreTrainer at N
+        processes]."""
+        model = super()._wrap_model(model, training, dataloader)
+        if training and model is self.model and not getattr(model, "_is_accelerate_prepared", False):
+            model = self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+        return model
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's save_model; at world size N every rank takes part in gathering the weights (a collective),
+        and the main process writes them."""
+        if self.args.world_size > 1:
+            state_dict = self.model.state_dict()  # every rank: the gather is a collective
+            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
+        else:
+            super().save_model(output_dir, _internal_call)
 
     # -- saving and resuming -----------------------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
