@@ -119,7 +119,8 @@ def test_adamw_torch_fused_steps_with_the_fused_kernel_as_trainer_does(tmp_path)
 
 def test_refuses_what_it_cannot_do_right(tmp_path):
     with pytest.raises(TierstoreValueError, match="compute_dtype=torch.bfloat16"):
-        TierstoreTrainer(model=gpt2(), args=targs(tmp_path / "a", bf16=True), train_dataset=dataset())
+        TierstoreTrainer(model=gpt2(), args=targs(tmp_path / "a", bf16=True), train_dataset=dataset(),
+                         offload_config=OffloadConfig(compute_dtype=torch.float16))
     with pytest.raises(TierstoreValueError, match="optim="):
         TierstoreTrainer(model=gpt2(), args=targs(tmp_path / "b", optim="adafactor"), train_dataset=dataset())
     m = gpt2()
@@ -131,6 +132,50 @@ def test_refuses_what_it_cannot_do_right(tmp_path):
     ts = TierstoreTrainer(model=gpt2(), args=targs(tmp_path / "d"), train_dataset=dataset())
     with pytest.raises(TierstoreValueError, match=OPTIMIZER_DIR):
         ts.train(resume_from_checkpoint=str(tmp_path / "p" / "checkpoint-2"))
+
+
+# -- mixed precision -------------------------------------------------------------------------------------------
+def _losses(cls, out, steps, **kw):
+    t = _recording(cls)(model=gpt2(), args=targs(out, max_steps=steps, save_steps=1000, logging_steps=steps,
+                                                 **kw.pop("args", {})), train_dataset=dataset(), **kw)
+    t.losses = []
+    t.train()
+    return t, torch.tensor(t.losses)
+
+
+def test_bf16_flag_trains_like_trainer_bf16(tmp_path):
+    """TrainingArguments(bf16=True): the optimizer computes in bfloat16 with fp32 masters; over 50 steps every
+    loss is as close to a plain Trainer(bf16=True)'s as bf16 rounding puts that run from fp32's."""
+    _t, fp32 = _losses(Trainer, tmp_path / "fp32", 50)
+    _t, ref = _losses(Trainer, tmp_path / "ref", 50, args=dict(bf16=True))
+    ts, got = _losses(TierstoreTrainer, tmp_path / "ts", 50, args=dict(bf16=True))
+    assert ts._zero3().config.compute_dtype == torch.bfloat16
+    noise = float((ref - fp32).abs().max())
+    assert 0 < noise < 1e-2  # bf16 moved the plain run, a little
+    assert len(got) == 50 and float((got - ref).abs().max()) <= 3 * noise
+    assert float(got[-1]) < float(got[0]) - 0.1  # it learned
+    ts.save_model(str(tmp_path / "ts" / "final"))
+    saved = weights(tmp_path / "ts" / "final")
+    assert {v.dtype for v in saved.values()} == {torch.bfloat16}  # the compute dtype (docs/integrations.md)
+
+
+def test_fp16_flag_scales_the_loss_through_trainers_backward(tmp_path):
+    """TrainingArguments(fp16=True): float16 compute, and the optimizer's loss scale reaches Trainer's backward:
+    at the default scale no step overflows and the losses follow fp32's; from a scale that overflows, the
+    overflowing steps are skipped (the scale halves each time) and the learning-rate schedule does not advance
+    on them, as with torch's GradScaler."""
+    _t, fp32 = _losses(Trainer, tmp_path / "fp32", 8)
+    ts, got = _losses(TierstoreTrainer, tmp_path / "ts", 8, args=dict(fp16=True))
+    z = ts._zero3()
+    assert z.config.compute_dtype == torch.float16 and z.loss_scale == 2.0 ** 16
+    assert z.stats().overflow_skips == 0 and z.steps == 8
+    assert float((got - fp32).abs().max()) < 1e-3
+    big = OffloadConfig(initial_loss_scale=2.0 ** 22)
+    ts2, _got = _losses(TierstoreTrainer, tmp_path / "ts2", 8, args=dict(fp16=True), offload_config=big)
+    z2 = ts2._zero3()
+    skips = z2.stats().overflow_skips
+    assert 0 < skips < 8 and z2.loss_scale == 2.0 ** (22 - skips) and z2.steps == 8 - skips
+    assert ts2.lr_scheduler.last_epoch == 8 - skips  # the schedule skipped the skipped steps
 
 
 # -- several processes -----------------------------------------------------------------------------------------

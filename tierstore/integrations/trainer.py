@@ -23,9 +23,10 @@ live in the store, so each of those calls is replaced where Trainer offers a met
 - ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: tierstore's own checkpoint
   (``checkpoint-N/tierstore_optimizer/``: every rank's masters and states, atomic, resharded on load) instead
   of ``optimizer.pt``; ``resume_from_checkpoint`` continues exactly.
-Refused with an error that says what to do: fp16/bf16 autocast flags (``TrainingArguments(fp16/bf16=True)``:
-use ``OffloadConfig(compute_dtype=torch.bfloat16)``), ``compute_dtype=torch.float16`` (its loss scale would
-not reach Trainer's backward), and an ``args.optim`` other than AdamW without ``optimizer_class``.
+- ``TrainingArguments(bf16=True / fp16=True)``: the optimizer computes in bfloat16 / float16 with fp32
+  masters, and fp16's loss scale reaches Trainer's backward ([Note: mixed precision through Trainer and
+  accelerate] in mixed_precision.py).
+Refused with an error that says what to do: an ``args.optim`` other than AdamW without ``optimizer_class``.
 
 [Note: TierstoreTrainer at N processes]
 Under torchrun or ``accelerate launch`` Trainer runs one process per device and would wrap the model in
@@ -48,6 +49,7 @@ import torch
 from ..errors import MisuseError, TierstoreValueError
 from ..zero import OffloadConfig, Zero3Optimizer
 from ._require import missing
+from .mixed_precision import check_optimizer, install_scaler, resolve_config
 
 try:
     from transformers import Trainer
@@ -82,17 +84,14 @@ class TierstoreTrainer(Trainer):
         self.zero_optimizer_class = optimizer_class
         self.zero_optimizer_kwargs = dict(optimizer_kwargs or {})
         a = self.args
-        if a.fp16 or a.bf16:
-            raise TierstoreValueError("TierstoreTrainer: TrainingArguments(fp16/bf16=True) autocasts around "
-                                      "parameters ZeRO-3 gathers in its own dtype; leave them False and pass "
-                                      "OffloadConfig(compute_dtype=torch.bfloat16) instead")
-        if self.offload_config.compute_dtype == torch.float16:
-            raise TierstoreValueError("TierstoreTrainer: compute_dtype=torch.float16 needs the optimizer's loss "
-                                      "scale on the loss, which Trainer's backward does not apply; use "
-                                      "compute_dtype=torch.bfloat16 (no loss scaling) or a plain loop")
+        flag = "bf16" if a.bf16 else "fp16" if a.fp16 else "no"
+        where = f"TierstoreTrainer(TrainingArguments({flag}=True))"
+        self.offload_config = resolve_config(self.offload_config, flag, where)
         if self.optimizer is not None and not isinstance(self.optimizer, Zero3Optimizer):
             raise TierstoreValueError(f"TierstoreTrainer(optimizers=({type(self.optimizer).__name__}, ...)): give "
                                       f"a Zero3Optimizer over this model, or none and let offload_config build it")
+        if self.optimizer is not None:
+            check_optimizer(self.optimizer, flag, where)
         if optimizer_class is None and a.optim not in ADAMW_OPTIMS:
             raise TierstoreValueError(f"TierstoreTrainer: TrainingArguments(optim={a.optim!r}) is not an AdamW "
                                       f"Zero3Optimizer can wrap; use optim='adamw_torch' or pass optimizer_class= "
@@ -121,6 +120,7 @@ class TierstoreTrainer(Trainer):
             kwargs.update(self.zero_optimizer_kwargs)
             self.optimizer = Zero3Optimizer(opt_model, cls, config=self.offload_config,
                                             param_groups=[g for g in groups if g["params"]], **kwargs)
+        install_scaler(self.accelerator, self._zero3())  # fp16: the loss scale reaches accelerator.backward
         return self.optimizer
 
     def _zero3(self) -> Zero3Optimizer:
@@ -143,7 +143,7 @@ class TierstoreTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Trainer's save_model; at world size N every rank takes part in gathering the weights (a collective),
         and the main process writes them."""
-        if self.args.world_size > 1:
+        if self.args.world_size > 1 and self.model is not None:
             state_dict = self.model.state_dict()  # every rank: the gather is a collective
             self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
         else:
