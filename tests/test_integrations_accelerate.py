@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("accelerate", reason="pip install 'tierstore[test]' (accelerate==1.15.0)")
 pytest.importorskip("transformers", reason="pip install 'tierstore[test]' (transformers==5.23.0)")
 from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from tierstore.errors import TierstoreValueError  # noqa: E402
@@ -36,7 +36,8 @@ def batches(n=8):
 def run(kind: str, tmp_path, lo: int, hi: int, save_at: int | None = None, load: str | None = None,
         mixed_precision: str = "no", compute_dtype: torch.dtype = torch.float32):
     """Micro-batches [lo, hi) of batches() under accelerate; returns (losses, logged norms, get_state_dict)."""
-    AcceleratorState._reset_state(reset_partial_state=True)  # each run its own mixed_precision
+    AcceleratorState._reset_state(reset_partial_state=True)  # each run its own mixed_precision and
+    GradientState._reset_state()  # accumulation, whatever ran in this process before
     acc = Accelerator(cpu=True, gradient_accumulation_steps=GA, mixed_precision=mixed_precision)
     model = gpt2()
     sched_fn = lambda s: 1.0 - s / 10  # noqa: E731
