@@ -22,7 +22,9 @@ live in the store, so each of those calls is replaced where Trainer offers a met
   bucket by bucket (zero/module_state.py), so ``model.safetensors`` is what a plain Trainer writes.
 - ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: tierstore's own checkpoint
   (``checkpoint-N/tierstore_optimizer/``: every rank's masters and states, atomic, resharded on load) instead
-  of ``optimizer.pt``; ``resume_from_checkpoint`` continues exactly.
+  of ``optimizer.pt``; ``resume_from_checkpoint`` continues exactly. The frozen parameters are left out of
+  it (``exclude_frozen=True``), so a LoRA run's checkpoint holds what changes; the resume takes them from the
+  model (Trainer reloads its weights first; a PEFT base comes from ``from_pretrained``).
 - ``TrainingArguments(bf16=True / fp16=True)``: the optimizer computes in bfloat16 / float16 with fp32
   masters, and fp16's loss scale reaches Trainer's backward ([Note: mixed precision through Trainer and
   accelerate] in mixed_precision.py).
@@ -151,7 +153,9 @@ class TierstoreTrainer(Trainer):
 
     # -- saving and resuming -----------------------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        self._zero3().save_checkpoint(os.path.join(output_dir, OPTIMIZER_DIR), keep=0)
+        # the frozen parameters (a LoRA base) are not rewritten by every save: [Note: frozen parameters left out
+        # of a checkpoint] in zero/frozen_ckpt.py; Trainer's resume reloads them with the model's weights
+        self._zero3().save_checkpoint(os.path.join(output_dir, OPTIMIZER_DIR), keep=0, exclude_frozen=True)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
