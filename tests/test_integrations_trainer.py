@@ -190,6 +190,34 @@ def test_lora_checkpoints_hold_what_changes_and_resume_exactly(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def peft_gpt2():
+    peft = pytest.importorskip("peft", reason="pip install 'tierstore[test]' (peft==0.21.2)")
+    cfg = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+    model = gpt2()
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, cfg)
+
+
+def test_peft_lora_checkpoints_hold_the_adapters_and_resume_exactly(tmp_path):
+    """peft's own LoRA model: each checkpoint's tierstore_optimizer/ is within 2x of the plain Trainer's
+    optimizer.pt, and a resume onto a fresh PEFT model over the same base ends bit-equal."""
+    args = dict(max_steps=4, save_steps=2, learning_rate=1e-2)
+    ref = Trainer(model=peft_gpt2(), args=targs(tmp_path / "ref", **args), train_dataset=dataset())
+    ref.train()
+    ts = TierstoreTrainer(model=peft_gpt2(), args=targs(tmp_path / "ts", **args), train_dataset=dataset())
+    ts.train()
+    assert norms(ts) == pytest.approx(norms(ref), rel=1e-6)
+    for step in (2, 4):
+        plain = (tmp_path / "ref" / f"checkpoint-{step}" / "optimizer.pt").stat().st_size
+        ours = _bytes(tmp_path / "ts" / f"checkpoint-{step}" / OPTIMIZER_DIR)
+        assert ours <= 2 * plain, (step, ours, plain)
+    re = TierstoreTrainer(model=peft_gpt2(), args=targs(tmp_path / "re", **args), train_dataset=dataset())
+    re.train(resume_from_checkpoint=str(tmp_path / "ts" / "checkpoint-2"))
+    assert norms(re) == norms(ts)
+    a, b = ts.model.state_dict(), re.model.state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_checkpoint_without_the_frozen_base_refuses_another_base(tmp_path):
     """save_checkpoint(exclude_frozen=True) over a model with another frozen base: the load is refused before
     anything is imported; over the same base it resumes; consolidate returns the trainable weights."""
