@@ -342,7 +342,7 @@ def _rank_trainer(rank, world, root, kind, resume=None):
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     out = f"{root}/{kind}"
     args = targs(out, per_device_train_batch_size=8 // world, eval_strategy="steps", eval_steps=2,
-                 per_device_eval_batch_size=4)
+                 per_device_eval_batch_size=4, load_best_model_at_end=True, metric_for_best_model="eval_loss")
     assert args.world_size == world
     if kind.startswith("plain"):
         t = _recording(Trainer)(model=gpt2(), args=args, train_dataset=dataset(), eval_dataset=dataset(8))
@@ -355,17 +355,20 @@ def _rank_trainer(rank, world, root, kind, resume=None):
     t.train(resume_from_checkpoint=resume)
     t.save_model(f"{out}/final")
     evals = [h["eval_loss"] for h in t.state.log_history if "eval_loss" in h]
-    return t.losses, norms(t), evals
+    return t.losses, norms(t), evals, t.state.best_model_checkpoint
 
 
 def test_trainer_at_two_processes_matches_ddp_and_resumes_at_another_world_size(tmp_path):
     """TierstoreTrainer under 2 processes (gloo): every rank's micro-batch losses, the logged gradient norms,
-    the eval losses and the saved weights equal a plain Trainer's under DDP at the same global batch; a run
+    the eval losses, the best checkpoint (load_best_model_at_end) and the saved weights equal a plain Trainer's
+    under DDP at the same global batch; a run
     resumed from its world-2 checkpoint-2 in one process ends where the world-2 run ended."""
     from tests.support import run_ranks
     plain = run_ranks(_rank_trainer, 2, str(tmp_path), "plain")
     ts = run_ranks(_rank_trainer, 2, str(tmp_path), "ts")
-    for (pl, pn, pe), (tl, tn, te) in zip(plain, ts):
+    for (pl, pn, pe, pb), (tl, tn, te, tb) in zip(plain, ts):
+        best = f"checkpoint-{2 if pe[0] < pe[1] else 4}"  # load_best_model_at_end: the lower eval loss
+        assert pb.endswith(best) and tb.endswith(best)
         assert len(tl) == 4 and tl == pytest.approx(pl, rel=0, abs=1e-5)
         assert len(tn) == 4 and tn == pytest.approx(pn, rel=1e-5)
         assert len(te) == 2 and te == pytest.approx(pe, rel=0, abs=1e-5)
@@ -377,7 +380,7 @@ def test_trainer_at_two_processes_matches_ddp_and_resumes_at_another_world_size(
             assert torch.allclose(a[k], b[k], rtol=0, atol=1e-5), (sub, k)
     assert (tmp_path / "ts" / "checkpoint-2" / OPTIMIZER_DIR).is_dir()
     # the world-2 checkpoint resumed by one process at the same global batch (8)
-    [(_losses, rn, _e)] = run_ranks(_rank_trainer, 1, str(tmp_path), "ts1", str(tmp_path / "ts" / "checkpoint-2"))
+    [(_losses, rn, _e, _b)] = run_ranks(_rank_trainer, 1, str(tmp_path), "ts1", str(tmp_path / "ts" / "checkpoint-2"))
     assert rn == pytest.approx(ts[0][1], rel=1e-5)
     a, b = weights(tmp_path / "ts" / "final"), weights(tmp_path / "ts1" / "final")
     for k in a:
