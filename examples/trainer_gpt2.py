@@ -26,19 +26,24 @@ def main() -> None:
     data = [{"input_ids": x, "labels": x} for x in token_rows(64)]
     config = OffloadConfig(params="host", optimizer_states="nvme", gradients="host",
                            nvme_paths=[os.path.join(a.dir, "nvme")])
-    args = TrainingArguments(os.path.join(a.dir, "run"), max_steps=a.steps, per_device_train_batch_size=8,
-                             learning_rate=1e-3, max_grad_norm=1.0, logging_steps=max(1, a.steps // 4),
-                             save_steps=max(1, a.steps // 2), report_to=[], use_cpu=True, optim="adamw_torch",
-                             disable_tqdm=True)
+
+    def targs(out: str) -> TrainingArguments:
+        return TrainingArguments(os.path.join(a.dir, out), max_steps=a.steps, per_device_train_batch_size=8,
+                                 learning_rate=1e-3, max_grad_norm=1.0, logging_steps=max(1, a.steps // 4),
+                                 save_steps=max(1, a.steps // 2), report_to=[], use_cpu=True,
+                                 optim="adamw_torch", disable_tqdm=True)
+
+    args = targs("run")
     trainer = TierstoreTrainer(model=tiny_gpt2(), args=args, train_dataset=data, offload_config=config)
     trainer.train()
     trainer.save_model(os.path.join(a.dir, "final"))
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     print(f"trained {a.steps} steps; logged grad norms {[round(n, 3) for n in norms]}")
 
-    # resume from the first checkpoint in a new trainer (new model, new store): it continues exactly
+    # resume from the first checkpoint in a new trainer (new model, new store): it continues exactly. It saves
+    # into its own output_dir: the first trainer's optimizer, still open, is the writer of the first one's
     first = os.path.join(a.dir, "run", f"checkpoint-{max(1, a.steps // 2)}")
-    again = TierstoreTrainer(model=tiny_gpt2(), args=args, train_dataset=data,
+    again = TierstoreTrainer(model=tiny_gpt2(), args=targs("resumed-run"), train_dataset=data,
                              offload_config=config.replace(nvme_paths=[os.path.join(a.dir, "nvme2")]))
     again.train(resume_from_checkpoint=first)
     again.save_model(os.path.join(a.dir, "resumed"))

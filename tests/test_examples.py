@@ -56,3 +56,10 @@ def test_generate_big_example_tiny(tmp_path):
     pytest.importorskip("transformers")
     out = run(tmp_path, "examples/generate_big.py", "--size", "4M", "--tokens", "3", "--budget", "2M", "--check")
     assert "tokens/s" in out and "same tokens as the model built in memory: True" in out
+
+
+def test_trainer_under_torchrun_two_processes(tmp_path):
+    pytest.importorskip("transformers")
+    out = run(tmp_path, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+              "examples/trainer_ddp.py", "--steps", "4")
+    assert "world 2: trained 4 steps, global batch 8" in out and "world 2: resumed run equal: True" in out

@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("accelerate", reason="pip install 'tierstore[test]' (accelerate==1.15.0)")
 pytest.importorskip("transformers", reason="pip install 'tierstore[test]' (transformers==5.23.0)")
 from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from tierstore.errors import TierstoreValueError  # noqa: E402
@@ -32,9 +33,12 @@ def batches(n=8):
     return [{"input_ids": x, "labels": x} for x in torch.randint(0, CONFIG["vocab_size"], (n, 4, 16), generator=g)]
 
 
-def run(kind: str, tmp_path, lo: int, hi: int, save_at: int | None = None, load: str | None = None):
+def run(kind: str, tmp_path, lo: int, hi: int, save_at: int | None = None, load: str | None = None,
+        mixed_precision: str = "no", compute_dtype: torch.dtype = torch.float32):
     """Micro-batches [lo, hi) of batches() under accelerate; returns (losses, logged norms, get_state_dict)."""
-    acc = Accelerator(cpu=True, gradient_accumulation_steps=GA)
+    AcceleratorState._reset_state(reset_partial_state=True)  # each run its own mixed_precision and
+    GradientState._reset_state()  # accumulation, whatever ran in this process before
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=GA, mixed_precision=mixed_precision)
     model = gpt2()
     sched_fn = lambda s: 1.0 - s / 10  # noqa: E731
     if kind == "torch":
@@ -43,7 +47,8 @@ def run(kind: str, tmp_path, lo: int, hi: int, save_at: int | None = None, load:
         model, opt, sched = acc.prepare(model, opt, sched)
     else:
         cfg = OffloadConfig(params="host", optimizer_states="nvme", gradients="host",
-                            nvme_paths=[str(tmp_path / f"nv-{lo}-{hi}")])
+                            nvme_paths=[str(tmp_path / f"nv-{lo}-{hi}-{mixed_precision}-{compute_dtype}")],
+                            compute_dtype=compute_dtype)
         zopt = Zero3Optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01, config=cfg)
         sched = torch.optim.lr_scheduler.LambdaLR(zopt, sched_fn)
         model, opt, sched = prepare(acc, model, zopt, sched)
@@ -80,7 +85,36 @@ def test_prepare_trains_saves_and_resumes_like_torch(tmp_path):
     assert all(torch.equal(r_sd[k], z_sd[k]) for k in z_sd)
 
 
+def test_prepare_maps_mixed_precision_onto_the_compute_dtype(tmp_path):
+    """Accelerator(mixed_precision=...): "bf16" over a bfloat16 optimizer stays as close to plain accelerate's
+    bf16 run as bf16 rounding puts that run from fp32's; "bf16" over a float32 optimizer autocasts as accelerate
+    does (its first step's losses equal the plain bf16 run's); "fp16" over a float16 optimizer applies its loss scale in
+    accelerator.backward (the clipped norms are fp32's, not 2**16 times smaller)."""
+    t32, n32, _ = run("torch", tmp_path, 0, 8)
+    tb, nb, _ = run("torch", tmp_path, 0, 8, mixed_precision="bf16")
+    noise = max(abs(a - b) for a, b in zip(tb, t32))
+    assert 0 < noise < 1e-2
+    zb, _n, zb_sd = run("zero", tmp_path, 0, 8, mixed_precision="bf16", compute_dtype=torch.bfloat16)
+    assert max(abs(a - b) for a, b in zip(zb, tb)) <= 3 * noise
+    assert {v.dtype for v in zb_sd.values()} == {torch.bfloat16}
+    za, na, _ = run("zero", tmp_path, 0, 8, mixed_precision="bf16")
+    assert za[:GA] == pytest.approx(tb[:GA], rel=1e-6) and tb[0] != t32[0]  # autocast, from the same weights
+    assert max(abs(a - b) for a, b in zip(za, tb)) <= noise and na == pytest.approx(nb, rel=1e-3)
+    zf, nf, _ = run("zero", tmp_path, 0, 8, mixed_precision="fp16", compute_dtype=torch.float16)
+    assert zf == pytest.approx(t32, abs=1e-3) and nf == pytest.approx(n32, rel=1e-2)
+
+
 def test_prepare_refuses_what_it_cannot_do_right(tmp_path):
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True, mixed_precision="fp16")
+    model = gpt2()
+    opt = Zero3Optimizer(model, torch.optim.AdamW, lr=1e-3)
+    try:  # fp16 needs an optimizer computing in float16 (its loss scale)
+        with pytest.raises(TierstoreValueError, match="compute_dtype=torch.float16"):
+            prepare(acc, model, opt)
+    finally:
+        opt.close()
+    AcceleratorState._reset_state(reset_partial_state=True)
     acc = Accelerator(cpu=True)
     model = gpt2()
     with pytest.raises(TierstoreValueError, match="Zero3Optimizer"):

@@ -37,6 +37,7 @@ import torch
 from ..errors import TierstoreValueError
 from ..zero import Zero3Optimizer
 from ._require import missing
+from .mixed_precision import FLAG_DTYPES, autocast_forward, check_optimizer, install_scaler
 
 try:
     from accelerate.optimizer import AcceleratedOptimizer
@@ -54,18 +55,21 @@ def prepare(accelerator, model: torch.nn.Module, optimizer: Zero3Optimizer, *obj
     if optimizer.model is not model:
         raise TierstoreValueError("prepare(accelerator, model, optimizer, ...): this Zero3Optimizer was built over "
                                   "another module; pass the model it partitions")
-    if str(accelerator.mixed_precision) != "no":
-        raise TierstoreValueError(f"Accelerator(mixed_precision={accelerator.mixed_precision!r}): autocast and the "
-                                  f"gradient scaler act on gradients ZeRO-3 keeps in its store; use "
-                                  f"Accelerator(mixed_precision='no') and OffloadConfig(compute_dtype=torch.bfloat16)")
-    if optimizer.config.compute_dtype == torch.float16:
-        raise TierstoreValueError("prepare: compute_dtype=torch.float16 needs the optimizer's loss scale on the "
-                                  "loss, which accelerator.backward does not apply; use torch.bfloat16")
+    flag = str(accelerator.mixed_precision)
+    if flag not in ("no", *FLAG_DTYPES):
+        raise TierstoreValueError(f"Accelerator(mixed_precision={flag!r}): prepare supports 'no', 'bf16' and "
+                                  f"'fp16' (through the optimizer's compute_dtype); use one of those")
+    check_optimizer(optimizer, flag, "prepare(accelerator, model, optimizer, ...)")
     if optimizer.world_size != accelerator.num_processes:
         raise TierstoreValueError(f"the Zero3Optimizer's group has {optimizer.world_size} ranks but accelerate runs "
                                   f"{accelerator.num_processes} processes: build the optimizer after the Accelerator "
                                   f"(which initialises torch.distributed), over the default group")
-    wrapped = AcceleratedOptimizer(optimizer, device_placement=False, scaler=None)
+    if flag == "bf16" and optimizer.config.compute_dtype == torch.float32:
+        autocast_forward(accelerator, model)  # fp32 parameters, bf16 autocast: what accelerate does for a plain model
+    scaler = install_scaler(accelerator, optimizer)  # fp16 compute: the loss scale reaches accelerator.backward
+    wrapped = AcceleratedOptimizer(optimizer, device_placement=False, scaler=scaler)
+    if scaler is not None:
+        scaler.wrappers.append(wrapped)  # not in accelerator._optimizers: told of overflows directly
     prepared = accelerator.prepare(*objects) if objects else ()
     if len(objects) == 1:
         prepared = (prepared,)

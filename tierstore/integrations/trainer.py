@@ -22,12 +22,24 @@ live in the store, so each of those calls is replaced where Trainer offers a met
   bucket by bucket (zero/module_state.py), so ``model.safetensors`` is what a plain Trainer writes.
 - ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: tierstore's own checkpoint
   (``checkpoint-N/tierstore_optimizer/``: every rank's masters and states, atomic, resharded on load) instead
-  of ``optimizer.pt``; ``resume_from_checkpoint`` continues exactly.
-Refused with an error that says what to do: fp16/bf16 autocast flags (``TrainingArguments(fp16/bf16=True)``:
-use ``OffloadConfig(compute_dtype=torch.bfloat16)``), ``compute_dtype=torch.float16`` (its loss scale would
-not reach Trainer's backward), an ``args.optim`` other than AdamW without ``optimizer_class``, and more than
-one process (Trainer would wrap the model in DistributedDataParallel, which all-reduces gradients ZeRO-3
-already reduce-scatters: use the accelerate path or a plain loop under torchrun).
+  of ``optimizer.pt``; ``resume_from_checkpoint`` continues exactly. The frozen parameters are left out of
+  it (``exclude_frozen=True``), so a LoRA run's checkpoint holds what changes; the resume takes them from the
+  model (Trainer reloads its weights first; a PEFT base comes from ``from_pretrained``).
+- ``TrainingArguments(bf16=True / fp16=True)``: the optimizer computes in bfloat16 / float16 with fp32
+  masters, and fp16's loss scale reaches Trainer's backward ([Note: mixed precision through Trainer and
+  accelerate] in mixed_precision.py).
+Refused with an error that says what to do: an ``args.optim`` other than AdamW without ``optimizer_class``.
+
+[Note: TierstoreTrainer at N processes]
+Under torchrun or ``accelerate launch`` Trainer runs one process per device and would wrap the model in
+DistributedDataParallel (``accelerator.prepare(model, optimizer)``), whose all-reduce of ``.grad`` fights the
+reduce-scatter ZeRO-3 already does into each rank's partition. ``_wrap_model`` therefore registers the model
+with accelerate through ``prepare_model(evaluation_mode=True)`` (no DDP; accelerate then treats it as
+prepared), and everything else stays Trainer's: the data loader is accelerate's, so each rank reads its share
+of every global batch (``per_device_train_batch_size`` x N, as under DDP); gradients are averaged over the
+ranks as DDP averages them, so losses, logged norms and weights equal a DDP run's; eval runs on every rank.
+``save_model`` gathers the weights on every rank (a collective) and the main process writes them; the
+optimizer checkpoint is written by every rank and resumes at any world size.
 """
 from __future__ import annotations
 
@@ -39,6 +51,7 @@ import torch
 from ..errors import MisuseError, TierstoreValueError
 from ..zero import OffloadConfig, Zero3Optimizer
 from ._require import missing
+from .mixed_precision import check_optimizer, install_scaler, resolve_config
 
 try:
     from transformers import Trainer
@@ -73,23 +86,14 @@ class TierstoreTrainer(Trainer):
         self.zero_optimizer_class = optimizer_class
         self.zero_optimizer_kwargs = dict(optimizer_kwargs or {})
         a = self.args
-        if a.fp16 or a.bf16:
-            raise TierstoreValueError("TierstoreTrainer: TrainingArguments(fp16/bf16=True) autocasts around "
-                                      "parameters ZeRO-3 gathers in its own dtype; leave them False and pass "
-                                      "OffloadConfig(compute_dtype=torch.bfloat16) instead")
-        if self.offload_config.compute_dtype == torch.float16:
-            raise TierstoreValueError("TierstoreTrainer: compute_dtype=torch.float16 needs the optimizer's loss "
-                                      "scale on the loss, which Trainer's backward does not apply; use "
-                                      "compute_dtype=torch.bfloat16 (no loss scaling) or a plain loop")
-        if a.world_size > 1:
-            raise TierstoreValueError(
-                f"TierstoreTrainer runs in one process (this is {a.world_size}): Trainer wraps the model in "
-                f"DistributedDataParallel, whose all-reduce would fight ZeRO-3's own reduce-scatter. For "
-                f"several processes use tierstore.integrations.accelerate.prepare or a plain loop under "
-                f"torchrun (examples/torchrun_train.py)")
+        flag = "bf16" if a.bf16 else "fp16" if a.fp16 else "no"
+        where = f"TierstoreTrainer(TrainingArguments({flag}=True))"
+        self.offload_config = resolve_config(self.offload_config, flag, where)
         if self.optimizer is not None and not isinstance(self.optimizer, Zero3Optimizer):
             raise TierstoreValueError(f"TierstoreTrainer(optimizers=({type(self.optimizer).__name__}, ...)): give "
                                       f"a Zero3Optimizer over this model, or none and let offload_config build it")
+        if self.optimizer is not None:
+            check_optimizer(self.optimizer, flag, where)
         if optimizer_class is None and a.optim not in ADAMW_OPTIMS:
             raise TierstoreValueError(f"TierstoreTrainer: TrainingArguments(optim={a.optim!r}) is not an AdamW "
                                       f"Zero3Optimizer can wrap; use optim='adamw_torch' or pass optimizer_class= "
@@ -118,6 +122,7 @@ class TierstoreTrainer(Trainer):
             kwargs.update(self.zero_optimizer_kwargs)
             self.optimizer = Zero3Optimizer(opt_model, cls, config=self.offload_config,
                                             param_groups=[g for g in groups if g["params"]], **kwargs)
+        install_scaler(self.accelerator, self._zero3())  # fp16: the loss scale reaches accelerator.backward
         return self.optimizer
 
     def _zero3(self) -> Zero3Optimizer:
@@ -126,9 +131,31 @@ class TierstoreTrainer(Trainer):
             raise MisuseError("TierstoreTrainer: no optimizer yet (create_optimizer() or train() builds it)")
         return opt
 
+    # -- several processes ---------------------------------------------------------------------------------
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        """Trainer's wrapping, except DistributedDataParallel: the model is registered with accelerate as
+        prepared (autocast and the rest of prepare_model's evaluation path apply, DDP does not), so Trainer's
+        ``accelerator.prepare(model, optimizer)`` leaves it to ZeRO-3's hooks. See [Note: TierstoreTrainer at N
+        processes]."""
+        model = super()._wrap_model(model, training, dataloader)
+        if training and model is self.model and not getattr(model, "_is_accelerate_prepared", False):
+            model = self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+        return model
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's save_model; at world size N every rank takes part in gathering the weights (a collective),
+        and the main process writes them."""
+        if self.args.world_size > 1 and self.model is not None:
+            state_dict = self.model.state_dict()  # every rank: the gather is a collective
+            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
+        else:
+            super().save_model(output_dir, _internal_call)
+
     # -- saving and resuming -----------------------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        self._zero3().save_checkpoint(os.path.join(output_dir, OPTIMIZER_DIR), keep=0)
+        # the frozen parameters (a LoRA base) are not rewritten by every save: [Note: frozen parameters left out
+        # of a checkpoint] in zero/frozen_ckpt.py; Trainer's resume reloads them with the model's weights
+        self._zero3().save_checkpoint(os.path.join(output_dir, OPTIMIZER_DIR), keep=0, exclude_frozen=True)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 

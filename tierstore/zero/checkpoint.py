@@ -104,7 +104,7 @@ from ..io.checksum import crc_at, memory_at
 from ..io.files import fsync_dir, own_open, read_small
 from ..manifest import STORED_DTYPES
 from ..partition import Plan, reshard_copies
-from . import _dist, ckpt_dir, keys
+from . import _dist, ckpt_dir, frozen_ckpt, keys
 from ._layout import fp32_twin
 from .ckpt_dir import LATEST
 
@@ -243,14 +243,16 @@ class _RecordWriter:
             pass
 
 
-def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int | None = 1, client_state: Any = None) -> str:
+def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int | None = 1, client_state: Any = None,
+                    exclude_frozen: bool = False) -> str:
     """Write a checkpoint of `opt` (every rank calls it) and return its directory. See [Note: atomic
     checkpoints], [Note: a failed save] and [Note: streaming save and load]. keep: how many previous
     checkpoints to leave besides the new one, an int >= 0, or None for all (rank 0 deletes older ones, of
     tierstore's own only: [Note: what save_checkpoint removes] in ckpt_dir.py); one job at a time writes a
     directory ([Note: one writer per checkpoint directory] in ckpt_dir.py). client_state: this rank's own state to
     keep with it (an LR scheduler's state_dict, rng_state(), a data position ...), returned by load_checkpoint;
-    see [Note: client state].
+    see [Note: client state]. exclude_frozen: leave the frozen parameters out ([Note: frozen parameters left
+    out of a checkpoint] in frozen_ckpt.py).
 
     [Note: client state]
     Each rank's client_state goes into its own rank file: tagged JSON in the file's index (key "client", the
@@ -313,7 +315,8 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int | None = 1, 
             for gl in opt.layout.groups:
                 for gid in gl.gids:
                     if not gl.trainable:
-                        w.tensor(f"{gid}.param", opt.store.get(keys.param(gid), device="cpu"))
+                        if not exclude_frozen:
+                            w.tensor(f"{gid}.param", opt.store.get(keys.param(gid), device="cpu"))
                         continue
                     sg = opt.export_subgroup(gid)  # one sub-group in memory at a time
                     w.tensor(f"{gid}.master", sg.pop("master"))
@@ -327,6 +330,7 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int | None = 1, 
             raise
     except Exception as e:
         failed = (where, e)
+    frozen = frozen_ckpt.fingerprint(opt) if exclude_frozen else None  # every rank: a collective
     gathered = _dist.all_gather_object((fname, info, _outcome(opt.rank, failed)), group)
     failures = [f for _fn, _i, out in gathered for f in out]
     if failures:
@@ -349,6 +353,8 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int | None = 1, 
                 "compute_dtype": str(opt.config.compute_dtype).removeprefix("torch."), "steps": opt.steps,
                 "scaler": opt.scaler_state(), "aliases": opt.param_aliases,
                 "files": {f: {"nbytes": n, "index_crc32c": c} for f, n, c in files}}
+            if frozen is not None:
+                body["frozen"] = frozen
             body["version"] = VERSION  # under the crc32c (from version 3)
             doc = {"format": FORMAT, "version": VERSION, "crc32c": _body_crc(body), "body": body}
             where = os.path.join(sub, "meta.json")
@@ -844,6 +850,8 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
     # checked before anything is imported: hyperparameters, the buffers' shapes, every sub-group's aux state
     meta = os.path.join(ck.sub, "meta.json")
     _check_hyperparams(opt.param_groups, body["param_groups"], meta)
+    if "frozen" in body:  # [Note: frozen parameters left out of a checkpoint]
+        frozen_ckpt.check(opt, body["frozen"], body["compute_dtype"], meta)
     bfile = ck.file("buffers.bin")
     for n, b in opt.model.named_buffers():
         shape = bfile.shape(n)  # None: the checkpoint has no such buffer
@@ -858,6 +866,8 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
                                       f"({sorted(set(s_plan.params) ^ set(gl.plan.params))[:3]} differ); build "
                                       f"the same model and param_groups")
         if not gl.gids:
+            continue
+        if not gl.trainable and "frozen" in body:  # left out (checked above): the model's own values stay
             continue
         if not gl.trainable:
             # over fp32 twins too, so the compute dtype may differ from the saving run's
@@ -940,6 +950,8 @@ def _consolidate(sub: str, body: dict, dtype: torch.dtype | None) -> dict[str, t
         cdt = getattr(torch, body["compute_dtype"])
         values: dict[str, torch.Tensor] = {}
         for index, plan, gids in _source_layout(body):
+            if index < 0 and "frozen" in body:  # [Note: frozen parameters left out of a checkpoint]
+                continue
             role = "master" if index >= 0 else "param"
             buckets = []
             for b, gid in enumerate(gids):
@@ -950,7 +962,7 @@ def _consolidate(sub: str, body: dict, dtype: torch.dtype | None) -> dict[str, t
                 plan = fp32_twin(plan)
             for name, t in plan.unflatten(buckets).items():
                 values[name] = t.to(dtype or cdt)
-        out = {alias: values[canon] for alias, canon in body["aliases"].items()}
+        out = {alias: values[canon] for alias, canon in body["aliases"].items() if canon in values}
         out.update(ck.buffers())
         return out
     finally:
