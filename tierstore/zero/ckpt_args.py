@@ -11,13 +11,13 @@ from ..errors import MisuseError, TierstoreValueError
 
 def directory(value, fn: str) -> str:
     """`value` as an absolute str path, or TierstoreValueError naming `fn`'s `directory` argument."""
-    if not isinstance(value, (str, os.PathLike)):
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if isinstance(path, bytes):
+        raise TierstoreValueError(f"{fn}: directory must be a str path; got bytes {path[:60]!r}: pass it decoded "
+                                  "(os.fsdecode(path))")
+    if not isinstance(path, str):
         raise TierstoreValueError(f"{fn}: directory must be a path (a str or pathlib.Path) of the checkpoint "
                                   f"directory; got {type(value).__name__} {str(value)[:60]!r}")
-    path = os.fspath(value)
-    if not isinstance(path, str):
-        raise TierstoreValueError(f"{fn}: directory must be a str path; got {type(path).__name__} {path[:60]!r}: "
-                                  "pass it decoded (os.fsdecode(path))")
     if not path or "\0" in path:
         raise TierstoreValueError(f"{fn}: directory {path[:60]!r} is not a path: pass the checkpoint directory "
                                   "(\".\" for the current one)")
