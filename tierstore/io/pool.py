@@ -64,6 +64,18 @@ def memlock_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
+def check_pinned_budget(nbytes: int, what: str = "the pinned pool") -> None:
+    """PinnedMemoryError when `nbytes` of page-locked memory can never be had here (more than this machine's
+    memory): the check BufferPool makes, for callers that must refuse such a budget before they create
+    anything else."""
+    memory = physical_memory()
+    if memory is not None and nbytes > memory:
+        raise PinnedMemoryError(
+            f"{what}: a pinned pool of {fmt_bytes(nbytes)} is larger than this machine's memory "
+            f"({fmt_bytes(memory)}): lower the pinned budget (pinned_budget / pinned_bytes; 64-256 MiB "
+            "keeps the disk busy)")
+
+
 class Buffer:
     """A leased buffer of `nbytes` page-locked bytes at a 4 KiB-aligned address. Release it (or use `with`)."""
 
@@ -133,12 +145,7 @@ class BufferPool:
         self.buffer_bytes = buffer_bytes  # bytes
         self.count = budget_bytes // buffer_bytes
         self.nbytes = self.count * buffer_bytes  # bytes actually reserved (<= budget)
-        memory = physical_memory()
-        if memory is not None and self.nbytes > memory:
-            raise PinnedMemoryError(
-                f"the pinned pool of {fmt_bytes(self.nbytes)} is larger than this machine's memory "
-                f"({fmt_bytes(memory)}): lower the pinned budget (pinned_budget / pinned_bytes; 64-256 MiB "
-                "keeps the disk busy)")
+        check_pinned_budget(self.nbytes)
         # [Note: huge pages] The mapping starts on a 2 MiB boundary and asks for transparent huge pages
         # before its first touch: an O_DIRECT request then pins a few huge pages instead of 256 small ones
         # per MiB, which costs less CPU per request. Best effort: where THP is off, the pool works on small pages.
