@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from tierstore import ActivationOffload, MisuseError
-from tierstore.errors import TierstoreValueError
+from tierstore.errors import PinnedMemoryError, TierstoreValueError
 
 
 def _mlp(seed: int = 0) -> nn.Module:
@@ -250,6 +250,45 @@ def test_bad_arguments():
         ActivationOffload("host", compress="bf16")
     with pytest.raises(TierstoreValueError, match="budget_bytes"):
         ActivationOffload("host", budget_bytes=-1)
+
+
+@pytest.mark.parametrize("kw,err,said", [
+    (dict(pinned_bytes=2**60), PinnedMemoryError, "pinned_bytes"),
+    (dict(tier="host", pinned_bytes=2**60), PinnedMemoryError, "pinned_bytes"),
+    (dict(prefix=5), TierstoreValueError, "prefix"),
+    (dict(store="/tmp/x"), TierstoreValueError, "store"),
+    (dict(paths=5), TierstoreValueError, "paths"),
+    (dict(paths=[None]), TierstoreValueError, "paths"),
+    (dict(paths=[""]), TierstoreValueError, "paths"),
+    (dict(paths=b"/tmp/x"), TierstoreValueError, "paths")])
+def test_bad_arguments_create_nothing(tmp_path, monkeypatch, kw, err, said):
+    """Before: a huge pinned_bytes left a temporary directory (or the given one) behind; the others raised a
+    TypeError, or were accepted (paths=[''] made a store in the current directory)."""
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.chdir(tmp_path / "tmp")
+    for paths in ([kw.pop("paths")] if "paths" in kw else [None, [tmp_path / "given"]]):
+        with pytest.raises(err, match=said) as ei:
+            ActivationOffload(**kw, paths=paths)
+        assert str(ei.value).startswith(f"ActivationOffload({said}="), str(ei.value)
+        assert sorted(p.name for p in tmp_path.rglob("*")) == ["tmp"]  # nothing created
+
+
+def test_store_that_cannot_be_made_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    """What only trying tells (the page-lock limit refusing the host tier's memory): our own temporary
+    directory is removed again."""
+    import tempfile
+
+    import tierstore.activations as acts
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def refused(*a, **kw):  # an injected fault: mlock refused
+        raise PinnedMemoryError("cannot page-lock 16 MiB of host memory")
+    monkeypatch.setattr(acts, "Store", refused)
+    with pytest.raises(PinnedMemoryError):
+        ActivationOffload("host")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")

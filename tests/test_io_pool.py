@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tierstore.errors import MisuseError, PinnedMemoryError, TierstoreValueError
+from tierstore.errors import MisuseError, PinnedMemoryError, StalledError, TierstoreValueError
 from tierstore.io import ALIGN, BufferPool
 
 
@@ -142,3 +142,89 @@ def test_page_lock_limit_error_says_the_fix():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ulimit -l" in r.stdout and "64.0 KiB" in r.stdout and "lock=False" in r.stdout
     assert issubclass(PinnedMemoryError, MemoryError)
+
+
+def _failed_operation_keeps(pool: BufferPool, kept: list) -> None:
+    """What a leak looks like: an operation leases a buffer, fails, and the buffer stays referenced."""
+    kept.append(pool.lease())
+
+
+def _lease_in_thread(fn, wait_s: float):
+    """fn() on a thread; (finished in time, its result or exception)."""
+    out: list = []
+
+    def run():
+        try:
+            out.append(fn())
+        except BaseException as e:
+            out.append(e)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(wait_s)
+    return not t.is_alive(), (out[0] if out else None)
+
+
+def test_a_wait_no_release_can_serve_raises_naming_the_holders():
+    """Before: a caller waited forever once every buffer was held by operations that had failed."""
+    pool = BufferPool(2 << 20, 1 << 20, lock=False)
+    kept: list = []
+    t = threading.Thread(target=lambda: [_failed_operation_keeps(pool, kept) for _ in range(2)], name="stepper")
+    t.start()
+    t.join()
+    pool.stall_s = 0.3
+    t0 = time.monotonic()
+    done, got = _lease_in_thread(pool.lease, 10)
+    pool.close()  # wakes a waiter the old pool would have kept
+    assert done and isinstance(got, StalledError), got
+    assert isinstance(got, TimeoutError) and 0.3 <= time.monotonic() - t0 < 5
+    msg = str(got)
+    assert "2 x 1.0 MiB" in msg and "2 by test_io_pool.py:_failed_operation_keeps on thread 'stepper'" in msg, msg
+
+
+def test_a_buffer_given_back_restarts_the_clock():
+    """A slow disk that still completes requests never trips the bound."""
+    pool = BufferPool(1 << 20, 1 << 20, lock=False)
+    pool.stall_s = 0.4
+    held = [pool.lease()]
+
+    def slow_io():
+        for _ in range(3):  # each "request" takes 0.25 s: longer in all than stall_s, never quiet that long
+            time.sleep(0.25)
+            held.pop().release()
+            held.append(pool.lease())
+        held.pop().release()
+    t = threading.Thread(target=slow_io)
+    t.start()
+    buf = pool.lease()  # waits ~1 s in all, never 0.4 s without a buffer back
+    t.join()
+    buf.release()
+    pool.close()
+
+
+def test_a_store_whose_buffers_are_all_held_raises_instead_of_blocking(tmp_path):
+    """A streamed write (a tensor larger than a buffer) whose lease fails: before, its extent's future never
+    settled, so the put went through and the next flush() (and close()) waited forever."""
+    from tierstore.errors import TierstoreError
+    from tierstore.store import Store
+    s = Store(tmp_path / "s", host_budget=0, pinned_budget=2 << 20, buffer_bytes=1 << 20, lock_memory=False)
+    pool = s._pool  # private: the fault is set up by holding every buffer of the store's own pool
+    pool.stall_s = 0.3
+    kept: list = []
+    for _ in range(pool.count):
+        _failed_operation_keeps(pool, kept)
+    value = torch.arange(3 << 18, dtype=torch.float32)[1:]  # 3 MiB, not 4 KiB-aligned: streamed through buffers
+    try:
+        done, got = _lease_in_thread(lambda: s.put("x", value, "nvme"), 10)
+        assert done, "put blocked"
+        done, flushed = _lease_in_thread(s.flush, 10)
+        assert done, "flush blocked"
+        failures = [r for r in (got, flushed) if isinstance(r, BaseException)]
+        assert failures and all(isinstance(r, TierstoreError) for r in failures), (got, flushed)
+        assert any("pinned buffer pool" in str(r) for r in failures), failures
+    finally:
+        for b in kept:
+            b.release()
+    s.put("x", value, "nvme")  # the buffers back: the store works
+    s.flush()
+    assert torch.equal(s.get("x"), value)
+    s.close()

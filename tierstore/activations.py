@@ -98,16 +98,16 @@ from typing import Any
 
 import torch
 
-from .errors import MisuseError, TierstoreValueError
+from . import activation_args
+from .errors import MisuseError
 from .store import Store
 
 __all__ = ["MODES", "ActivationOffload", "ActivationStats"]
 
 log = logging.getLogger("tierstore.activations")
 
-MODES = ("all", "checkpoint")
-TIERS = ("host", "nvme")
-_BF16 = "bf16"
+MODES, TIERS = activation_args.MODES, activation_args.TIERS
+_BF16 = activation_args.BF16
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -267,29 +267,10 @@ class ActivationOffload:
                  min_bytes: int = 64 << 10, prefetch_bytes: int = 16 << 20, write_behind_bytes: int = 16 << 20,
                  compress: str | None = None, pinned_bytes: int = 16 << 20, prefix: str = "act/",
                  small_batch_bytes: int = 0):
-        if tier not in TIERS:
-            raise TierstoreValueError(f"ActivationOffload(tier={tier!r}): use 'host' or 'nvme'")
-        if mode not in MODES:
-            raise TierstoreValueError(f"ActivationOffload(mode={mode!r}): use 'all' (every saved tensor) or "
-                                      "'checkpoint' (only the inputs torch.utils.checkpoint keeps)")
-        for name, v, least in (("min_bytes", min_bytes, 0), ("prefetch_bytes", prefetch_bytes, 0),
-                               ("write_behind_bytes", write_behind_bytes, 0),
-                               ("small_batch_bytes", small_batch_bytes, 0),
-                               ("pinned_bytes", pinned_bytes, 1 << 20)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise TierstoreValueError(f"ActivationOffload({name}={v!r}): an int number of bytes >= {least}")
-        if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
-                                         or budget_bytes < 0):
-            raise TierstoreValueError(f"ActivationOffload(budget_bytes={budget_bytes!r}): an int number of bytes "
-                                      ">= 0, or None for no limit")
+        # every argument checked before anything is created
+        given = activation_args.check(tier, paths, store, mode, budget_bytes, min_bytes, prefetch_bytes,
+                                      write_behind_bytes, compress, pinned_bytes, prefix, small_batch_bytes)
         self._codec = None
-        if compress is not None:
-            if tier != "nvme":
-                raise TierstoreValueError(f"ActivationOffload(compress={compress!r}) applies to the nvme tier; "
-                                          "with tier='host' leave compress=None")
-            if compress != _BF16:
-                from .quant import schemes
-                schemes.get(compress)  # raises naming the registered schemes
         self.tier = tier
         self.mode = mode
         self.budget_bytes = budget_bytes
@@ -302,11 +283,16 @@ class ActivationOffload:
         self._tmp: str | None = None
         self._own_store = store is None
         if store is None:
-            if paths is None:
+            if given is None:
                 self._tmp = tempfile.mkdtemp(prefix="tierstore-act-")
-                paths = [self._tmp]
-            store = Store(paths, host_budget=None if tier == "host" else 0, device_budget=0,
-                          pinned_budget=pinned_bytes, lock_memory=tier == "host", workers=1)
+                given = [self._tmp]
+            try:
+                store = Store(given, host_budget=None if tier == "host" else 0, device_budget=0,
+                              pinned_budget=pinned_bytes, lock_memory=tier == "host", workers=1)
+            except BaseException:  # what only trying tells (the page-lock limit): our own directory goes
+                if self._tmp is not None:
+                    shutil.rmtree(self._tmp, ignore_errors=True)
+                raise
         self.store = store
         self._lock = threading.RLock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstore-act-write")

@@ -117,3 +117,8 @@ class TierstoreTypeError(TierstoreValueError, TypeError):
 
 class MisuseError(TierstoreError, RuntimeError):
     """An object was used in a state that does not allow it (closed, dropped...); the message says what to do."""
+
+
+class StalledError(TierstoreError, TimeoutError):
+    """A wait that cannot end: what it waits for is held by operations that failed or stopped. The message
+    names what waits and what holds it."""

@@ -201,6 +201,7 @@ class Store:
         was lost and those a later flush stores (see [Note: when a flush fails])."""
         err = fsync or fates[0][2]
         code = getattr(err, "errno", None) or errno.EIO
+        told = os.strerror(code) if getattr(err, "errno", None) else f"{type(err).__name__}: {err}"  # not an I/O error
         lost = [(t, f) for t, f, _e in fates if f in ("reverted", "removed")]
         kept = [t for t, f, _e in fates if f == "kept"]
 
@@ -209,7 +210,7 @@ class Store:
             return text + (f" and {len(ts) - 8} more" if len(ts) > 8 else "")
         what = (f"made durable (fsync of {getattr(err, 'filename', None) or 'the extent files'}: "
                 f"{os.strerror(code)}; written since the last flush that succeeded, so none is trusted)"
-                if fsync is not None else f"written ({os.strerror(code)})")
+                if fsync is not None else f"written ({told})")
         parts = [f"flush failed: {len(fates)} tensor(s) could not be {what}",
                  "Nothing flushed before is lost"]
         if lost:
@@ -221,7 +222,7 @@ class Store:
             if removed:
                 text += f"; never flushed, so removed from the store: {names(removed)}"
             parts.append(text + "; put or update them again")
-        cause = advice(code)
+        cause = advice(code) if getattr(err, "errno", None) else ""
         if kept:
             parts.append(f"Still held in memory, stored by the next flush() that succeeds: {names(kept)}"
                          f"{'; ' + cause + ', then' if cause else ';'} call flush() again")

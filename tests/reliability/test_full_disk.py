@@ -156,3 +156,92 @@ def test_failed_replacement_never_reads_the_old_bytes_as_the_new_dtype(small_ext
         assert same_bits(got, old) or same_bits(got, new), f"get('x') is neither value: {got[:4]}"
     finally:
         s.close(flush=False)
+
+
+CALL_S = 30  # seconds a call on the full disk may take at most: it raises, never waits for space
+
+
+def _timed(what: str, fn):
+    import time
+    t0 = time.monotonic()
+    try:
+        return fn()
+    finally:
+        took = time.monotonic() - t0
+        assert took < CALL_S, f"{what} took {took:.0f} s on a full disk: it waited instead of raising"
+
+
+def train_until_full(fs, rng, campaign: str) -> None:
+    """A Zero3Optimizer (parameters and states on nvme) with activation offload to nvme trains and saves a
+    checkpoint after every step while a ballast file fills the disk, before the forward or before the save;
+    after an error it saves at once (on the full disk), then frees the space. Every call returns or raises a
+    tierstore error within CALL_S; at the end, with space, a save and a load into a new optimizer work."""
+    import torch.nn as nn
+
+    from tierstore.zero import OffloadConfig, Zero3Optimizer
+    def net() -> nn.Module:  # ~50k parameters: its store, activations and checkpoints fit the 16 MiB disk
+        return nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(3)], nn.Linear(128, 8))
+    torch.manual_seed(rng.getrandbits(31))
+    model = net()
+
+    def config(run: str) -> OffloadConfig:
+        return OffloadConfig(params="nvme", optimizer_states="nvme", gradients=rng.choice(["host", "nvme"]),
+                             nvme_paths=[os.path.join(fs.mnt, run)], activation_offload="nvme",
+                             sub_group_bytes=64 << 10, min_io_bytes=16 << 10, pinned_bytes=rng.choice([4, 8]) << 20,
+                             prefetch_bytes=1 << 20, overlap_step=rng.random() < 0.5)
+    opt = Zero3Optimizer(model, torch.optim.AdamW, config=config("run"), lr=1e-3)
+    ballast, ck = os.path.join(fs.mnt, "ballast"), os.path.join(fs.mnt, "ck")
+
+    def fill() -> None:
+        if not os.path.exists(ballast):
+            write_ballast(ballast, max(0, fs.free_bytes() - rng.randint(0, 512 << 10)))
+    try:
+        for step in range(10):
+            phase = rng.choice(["forward", "forward", "save", "none"])
+            try:
+                if phase == "forward":
+                    fill()
+                x = torch.randn(rng.choice([128, 256, 512]), 128)
+                _timed("forward and backward", lambda: model(x).square().mean().backward())  # noqa: B023
+                _timed("step", opt.step)
+                opt.zero_grad()
+                if phase == "save":
+                    fill()
+                _timed("save_checkpoint", lambda: opt.save_checkpoint(ck))
+                record(campaign, "calls succeeded")
+            except TierstoreError as e:
+                record(campaign, f"({type(e).__name__})")
+                print(f"step {step}: {type(e).__name__}: {e}")
+                try:
+                    _timed("save_checkpoint right after an error", lambda: opt.save_checkpoint(ck))
+                except TierstoreError as e2:
+                    record(campaign, f"(emergency save: {type(e2).__name__})")
+                _timed("zero_grad", opt.zero_grad)
+                if os.path.exists(ballast):
+                    os.unlink(ballast)
+        if os.path.exists(ballast):
+            os.unlink(ballast)
+        _timed("save_checkpoint with space", lambda: opt.save_checkpoint(ck))
+        want = opt.full_state_dict()
+    finally:
+        opt.close()
+    opt2 = Zero3Optimizer(net(), torch.optim.AdamW, config=config("run2"), lr=1e-3)
+    try:
+        opt2.load_checkpoint(ck)
+        got = opt2.full_state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want), "the checkpoint saved with space again differs"
+    finally:
+        opt2.close()
+    record(campaign, "saved and loaded once space was freed")
+
+
+def test_full_disk_training_with_activation_offload(small_ext4):
+    campaign = "full disk (training, activation offload, save_checkpoint)"
+    for seed in seeds(campaign, trials(1, 11)):
+        with trial(campaign, seed) as rng:
+            for d in ("run", "run2", "ck", "ballast"):
+                p = os.path.join(small_ext4.mnt, d)
+                shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else None
+                if os.path.isfile(p):
+                    os.unlink(p)
+            train_until_full(small_ext4, rng, campaign)

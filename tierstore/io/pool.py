@@ -5,6 +5,15 @@ DeepSpeed's swappers assert when no buffer is free ("Not enough buffers", #3062)
 larger than a buffer (#3506). Here the pool is allocated once, never grows past its budget and never
 allocates per I/O: a caller that finds it empty *waits* until another caller releases a buffer, and a
 tensor larger than one buffer is streamed through buffers in pieces by the layer above.
+
+[Note: a wait on the pool is bounded]
+Back-pressure waits for I/O in flight, which ends in milliseconds to seconds: every buffer is given back
+when its request completes. A buffer that is never given back -- held by an operation that failed and
+kept it, or by a thread that stopped -- would make every later caller wait forever, with nothing said.
+So each lease records who took it (thread, function, when), and a caller that has waited `stall_s`
+seconds (STALL_S by default) without any buffer coming back raises StalledError naming the pool and what
+holds each buffer, instead of waiting on. Any buffer given back restarts the clock, so a slow disk that
+still completes requests never trips it.
 """
 from __future__ import annotations
 
@@ -14,13 +23,15 @@ import logging
 import mmap
 import os
 import resource
+import sys
 import threading
 import time
+from typing import Any
 
 import torch
 
 from .._units import fmt_bytes
-from ..errors import MisuseError, PinnedMemoryError, TierstoreValueError
+from ..errors import MisuseError, PinnedMemoryError, StalledError, TierstoreValueError
 
 log = logging.getLogger("tierstore.io")
 
@@ -30,6 +41,8 @@ _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 HUGE = 2 << 20  # bytes: a transparent huge page on x86_64 and most arm64 kernels
+STALL_S = 60.0  # seconds a caller waits for a buffer with none given back ([Note: a wait on the pool is bounded])
+_LEASERS = frozenset({"lease", "try_lease", "_lease_or_finish", "_hand_out"})  # not the holder's own name
 MADV_HUGEPAGE = 14
 
 
@@ -62,6 +75,18 @@ def memlock_limit() -> int | None:
     """The soft RLIMIT_MEMLOCK in bytes, or None when unlimited."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return None if soft == resource.RLIM_INFINITY else soft
+
+
+def check_pinned_budget(nbytes: int, what: str = "the pinned pool") -> None:
+    """PinnedMemoryError when `nbytes` of page-locked memory can never be had here (more than this machine's
+    memory): the check BufferPool makes, for callers that must refuse such a budget before they create
+    anything else."""
+    memory = physical_memory()
+    if memory is not None and nbytes > memory:
+        raise PinnedMemoryError(
+            f"{what}: a pinned pool of {fmt_bytes(nbytes)} is larger than this machine's memory "
+            f"({fmt_bytes(memory)}): lower the pinned budget (pinned_budget / pinned_bytes; 64-256 MiB "
+            "keeps the disk busy)")
 
 
 class Buffer:
@@ -133,12 +158,7 @@ class BufferPool:
         self.buffer_bytes = buffer_bytes  # bytes
         self.count = budget_bytes // buffer_bytes
         self.nbytes = self.count * buffer_bytes  # bytes actually reserved (<= budget)
-        memory = physical_memory()
-        if memory is not None and self.nbytes > memory:
-            raise PinnedMemoryError(
-                f"the pinned pool of {fmt_bytes(self.nbytes)} is larger than this machine's memory "
-                f"({fmt_bytes(memory)}): lower the pinned budget (pinned_budget / pinned_bytes; 64-256 MiB "
-                "keeps the disk busy)")
+        check_pinned_budget(self.nbytes)
         # [Note: huge pages] The mapping starts on a 2 MiB boundary and asks for transparent huge pages
         # before its first touch: an O_DIRECT request then pins a few huge pages instead of 256 small ones
         # per MiB, which costs less CPU per request. Best effort: where THP is off, the pool works on small pages.
@@ -161,6 +181,9 @@ class BufferPool:
         self._cond = threading.Condition()
         self._closed = False
         self.waits = 0  # times a caller had to wait for a buffer (back-pressure events)
+        self.stall_s = STALL_S  # seconds ([Note: a wait on the pool is bounded])
+        self._holders: dict[int, tuple[str, str, float]] = {}  # leased index -> (thread, function, when)
+        self._given = time.monotonic()  # when a buffer was last given back
 
     def _lock_pages(self) -> None:
         if _libc.mlock(self.base_addr, self.nbytes) != 0:
@@ -197,8 +220,11 @@ class BufferPool:
     def free(self) -> int:
         return len(self._free)
 
-    def lease(self, timeout: float | None = None) -> Buffer:
-        """A free buffer; waits (back-pressure) while every buffer is leased. TimeoutError after `timeout` s."""
+    def lease(self, timeout: float | None = None, *, since: float | None = None) -> Buffer:
+        """A free buffer; waits (back-pressure) while every buffer is leased. TimeoutError after `timeout` s;
+        StalledError once the wait, begun at `since` (time.monotonic(); default now), has gone `stall_s` s
+        without a buffer given back ([Note: a wait on the pool is bounded])."""
+        start = time.monotonic() if since is None else since
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             if not self._free:
@@ -206,25 +232,56 @@ class BufferPool:
             while not self._free:
                 if self._closed:
                     raise MisuseError("the buffer pool is closed")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                now = time.monotonic()
+                quiet = now - max(start, self._given)  # seconds of this wait without a buffer back
+                if quiet >= self.stall_s:
+                    raise self._stalled(quiet)
+                left = self.stall_s - quiet if deadline is None else min(deadline - now, self.stall_s - quiet)
+                if deadline is not None and left <= 0:
                     raise TimeoutError(
                         f"no pool buffer became free within {timeout} s ({self.count} buffers of "
                         f"{fmt_bytes(self.buffer_bytes)} all leased); release buffers or raise the budget")
                 self._cond.wait(left)
             if self._closed:
                 raise MisuseError("the buffer pool is closed")
-            return Buffer(self, self._free.pop())
+            return self._hand_out()
 
     def try_lease(self) -> Buffer | None:
         with self._cond:
             if self._closed or not self._free:
                 return None
-            return Buffer(self, self._free.pop())
+            return self._hand_out()
+
+    def _hand_out(self) -> Buffer:
+        """The next free buffer, its holder recorded (lock held)."""
+        index = self._free.pop()
+        f: Any = sys._getframe(1)
+        while f is not None and f.f_code.co_name in _LEASERS:
+            f = f.f_back
+        where = "?" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}"
+        self._holders[index] = (threading.current_thread().name, where, time.monotonic())
+        return Buffer(self, index)
+
+    def _stalled(self, quiet: float) -> StalledError:
+        """The error of a wait that no release has served for `quiet` seconds (lock held)."""
+        now = time.monotonic()
+        held: dict[tuple[str, str], list[float]] = {}
+        for thread, where, when in self._holders.values():
+            held.setdefault((where, thread), []).append(now - when)
+        holders = "; ".join(f"{len(ages)} by {where} on thread {thread!r} (for {max(ages):.0f} s)"
+                            for (where, thread), ages in sorted(held.items()))
+        me = threading.current_thread().name
+        return StalledError(
+            f"the pinned buffer pool ({self.count} x {fmt_bytes(self.buffer_bytes)}) has had no buffer given back "
+            f"for {quiet:.0f} s while thread {me!r} waited for one: every buffer is held -- {holders}. They are "
+            "held by operations that failed or stopped, so this wait could never end: close the store (or "
+            "optimizer) and open it again, and report this message")
 
     def _give_back(self, index: int) -> None:
         with self._cond:
+            self._holders.pop(index, None)
             self._free.append(index)
+            self._given = time.monotonic()
             self._cond.notify()
 
     def close(self) -> None:

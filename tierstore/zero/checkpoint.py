@@ -104,7 +104,7 @@ from ..io.checksum import crc_at, memory_at
 from ..io.files import fsync_dir, own_open, read_small
 from ..manifest import STORED_DTYPES
 from ..partition import Plan, reshard_copies
-from . import _dist, ckpt_dir, frozen_ckpt, keys
+from . import _dist, ckpt_args, ckpt_dir, ckpt_verify, frozen_ckpt, keys
 from ._layout import fp32_twin
 from .ckpt_dir import LATEST
 
@@ -271,6 +271,7 @@ def save_checkpoint(opt, directory: str | os.PathLike, *, keep: int | None = 1, 
     removed, and ``latest`` and the previous checkpoints are untouched. Except when ``latest`` was renamed
     but the directory fsync after it failed: a crash may leave either checkpoint named, so both are kept
     (older ones are not deleted) and the error says so."""
+    ckpt_args.save_args(opt, directory)
     directory = os.path.abspath(os.fspath(directory))
     group = opt.group
     # the arguments, checked on every rank before anything is created (the ranks agree on the outcome, so
@@ -825,29 +826,61 @@ def _assemble(ck: _Checkpoint, src: Plan, dst: Plan, s_gids: list[int], rank: in
 def load_checkpoint(opt, directory: str | os.PathLike) -> Any:
     """Load the latest checkpoint in `directory` into `opt` (every rank calls it), resharding to this world
     size and layout, one sub-group at a time; returns this rank's client_state ([Note: client state]). See
-    [Note: resharding on load]."""
-    sub, body = read_meta(directory)
-    ck = _Checkpoint(sub, body)
+    [Note: resharding on load]. A load that fails leaves `opt` as it was, or unusable, saying so ([Note: a
+    failed load changes nothing] in ckpt_verify.py)."""
+    ckpt_args.optimizer(opt, "load_checkpoint", usable=False)  # a load is what makes an unusable one whole
+    directory = ckpt_args.directory(directory, "load_checkpoint")
+    got: dict[str, Any] = {}  # read in the first pass: inside it, a rank that cannot read them fails every rank
+
+    def plan():
+        if not got:
+            sub, body = read_meta(directory)
+            got["ck"] = ck = _Checkpoint(sub, body)
+            got["client"] = ck.rank(opt.rank if opt.rank < body["world_size"] else 0).client_state()
+        return _load(opt, got["ck"], got["ck"].body)
     try:
-        # read (and crc-checked) before anything is imported: damage there leaves the optimizer as it was
-        client = ck.rank(opt.rank if opt.rank < body["world_size"] else 0).client_state()
-        _load(opt, ck, body)
+        ckpt_verify.verify_then_import(opt, plan, lambda item: _import(opt, item))
     finally:
-        ck.close()
+        if "ck" in got:
+            got["ck"].close()
+        if opt.unusable is not None:  # partly loaded: what is gathered may be from before
+            opt.coordinator.release_all()
     opt.zero_grad()
     opt.coordinator.release_all()
     _dist.barrier(opt.group)
-    return client
+    return got["client"]
 
 
-def _load(opt, ck: _Checkpoint, body: dict) -> None:
+def _import(opt, item: tuple) -> None:
+    """Put one item _load yields into the optimizer."""
+    kind = item[0]
+    if kind == "param":
+        _k, gid, shard = item
+        opt.store.put(keys.param(gid), shard.to(opt.device, opt.config.compute_dtype), tier=opt.config.params)
+    elif kind == "subgroup":
+        _k, gid, master, state, aux = item
+        opt.import_subgroup(gid, master, state, aux)
+    elif kind == "buffer":
+        _k, b, value = item
+        b.data.copy_(value.to(b.dtype))
+    else:  # "meta"
+        body = item[1]
+        opt.set_hyperparams(body["param_groups"])
+        opt.load_scaler_state(body["scaler"])
+        opt.steps = body["steps"]
+
+
+def _load(opt, ck: _Checkpoint, body: dict):
+    """Yield what loading the checkpoint into `opt` imports, one item at a time, every record read (and
+    crc-checked) before the item it belongs to; `opt` is only read: ("param", gid, fp32 shard) of a frozen
+    sub-group, ("subgroup", gid, master, states, aux), ("buffer", the model's buffer, value), ("meta", body)
+    for the hyperparameters, loss scaler and steps. See [Note: a failed load changes nothing]."""
     src = _source_layout(body)
     if len(src) != len(opt.layout.groups):
         raise TierstoreValueError(f"the checkpoint has {len(src) - 1} parameter groups; this optimizer has "
                                   f"{len(opt.layout.groups) - 1}")
     me = opt.rank
-    cfg = opt.config
-    # checked before anything is imported: hyperparameters, the buffers' shapes, every sub-group's aux state
+    # checked before anything is yielded: hyperparameters, the buffers' shapes, every sub-group's aux state
     meta = os.path.join(ck.sub, "meta.json")
     _check_hyperparams(opt.param_groups, body["param_groups"], meta)
     if "frozen" in body:  # [Note: frozen parameters left out of a checkpoint]
@@ -860,11 +893,12 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
                                       f"{list(b.shape)} in the model; build the same model")
     first = ck.rank(0)
     aux = {sg: first.aux_of(sg) for s_index, _p, s_gids in src if s_index >= 0 for sg in s_gids}
-    for (s_index, s_plan, s_gids), gl in zip(src, opt.layout.groups):
+    for (s_index, s_plan, _g), gl in zip(src, opt.layout.groups):
         if s_index != gl.index or set(s_plan.params) != set(gl.plan.params):
             raise TierstoreValueError(f"parameter group {gl.index} holds other parameters in the checkpoint "
                                       f"({sorted(set(s_plan.params) ^ set(gl.plan.params))[:3]} differ); build "
                                       f"the same model and param_groups")
+    for (_i, s_plan, s_gids), gl in zip(src, opt.layout.groups):
         if not gl.gids:
             continue
         if not gl.trainable and "frozen" in body:  # left out (checked above): the model's own values stay
@@ -873,7 +907,7 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
             # over fp32 twins too, so the compute dtype may differ from the saving run's
             for b, shard, _srcs in _assemble(ck, fp32_twin(s_plan), fp32_twin(gl.plan), s_gids, me, ["param"],
                                              torch.float32, "cpu"):
-                opt.store.put(keys.param(gl.gids[b]), shard["param"].to(opt.device, cfg.compute_dtype), tier=cfg.params)
+                yield "param", gl.gids[b], shard["param"]
             continue
         # per source sub-group: which states are per element (resharded) and which scalar; a sub-group no
         # step reached has none, and sub-groups skipped on some steps count their own `step`
@@ -896,15 +930,12 @@ def _load(opt, ck: _Checkpoint, body: dict) -> None:
             stepped = [sb for sb in srcs if per_element[sb] or scalars[sb] or aux[s_gids[sb]]]
             if stepped:  # scalars of the first source sub-group that was stepped (all of them agree when
                 st.update({k: v.clone() for k, v in scalars[stepped[0]].items()})  # the layouts match)
-            opt.import_subgroup(gl.gids[b], shards["master"], st, aux[s_gids[stepped[0]]] if stepped else {})
+            yield "subgroup", gl.gids[b], shards["master"], st, aux[s_gids[stepped[0]]] if stepped else {}
             del shards, st
-    opt.set_hyperparams(body["param_groups"])
-    opt.load_scaler_state(body["scaler"])
-    opt.steps = body["steps"]
-    buffers = ck.buffers()
-    for n, b in opt.model.named_buffers():
-        if n in buffers:
-            b.data.copy_(buffers[n].to(b.dtype))
+    for n, b in opt.model.named_buffers():  # one at a time
+        if n in bfile.records:
+            yield "buffer", b, bfile.read(n)
+    yield "meta", body
 
 
 def _kind(v) -> str:
@@ -932,7 +963,8 @@ def consolidate(directory: str | os.PathLike, *, dtype: torch.dtype | None = Non
 
     dtype: of the parameters (default: the compute dtype of the run that saved it; float32 gives the
     masters themselves)."""
-    directory = os.path.abspath(os.fspath(directory))
+    dtype = ckpt_args.dtype(dtype)
+    directory = ckpt_args.directory(directory, "consolidate")
     for _attempt in range(ckpt_dir.RETRIES):
         sub, body = read_meta(directory)
         try:

@@ -276,6 +276,9 @@ class Zero3Optimizer(torch.optim.Optimizer):
         # norms read at every step: the fp16 overflow check, clipping with the previous norm
         self._grads.eager = cdt == torch.float16 or config.clip_mode == "previous_norm"
         self.steps = 0
+        # why this optimizer may not be used: a load_checkpoint failed after it had begun importing
+        # ([Note: a failed load changes nothing] in ckpt_verify.py); None: usable
+        self.unusable: str | None = None
         clip.register(self)  # [Note: clipping through torch's functions]
         self.coordinator = ParamCoordinator(
             model, self.layout, self._params, self._fetch_param_shard, self._grads, device=self.device,
@@ -684,6 +687,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
 
     def _step_final(self, gid: int) -> None:
         """The coordinator's on_final: step sub-group `gid` now, on the stream."""
+        self.check_usable("step")
         self._grads.stepped.add(gid)
         self._overlapped += 1
         nbytes = 4 * self.layout.shard_numel(gid)  # its fp32 master here ([Note: the stream's queue is in bytes])
@@ -714,6 +718,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self.check_usable("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -782,6 +787,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
                 raise TierstoreValueError(f"gathered(params=...): {len(foreign)} of the parameters given are not "
                                           f"managed by this Zero3Optimizer")
             names = list(dict.fromkeys(by_id[id(p)] for p in given))
+        self.check_usable("gathered")
         self.module_state.check_idle("gathered()")
         self.coordinator.release_kept()  # values it changes must not reach a kept bucket ([Note: kept at the turn])
         self._stepper.drop_at_hand()
@@ -818,6 +824,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """name -> full parameter value (compute dtype, a CPU copy), every name of model.named_parameters()
         including tied aliases, plus the model's buffers. Collective; one bucket gathered at a time."""
+        self.check_usable("full_state_dict")
         vals = self.module_state.gather_values(list(self._params))  # one bucket alive at a time; CPU tensors
         out = {alias: vals[canon] for alias, canon in self._aliases.items()}
         for n, b in self.model.named_buffers():
@@ -867,6 +874,15 @@ class Zero3Optimizer(torch.optim.Optimizer):
             state_keys.pop(gid, None)
         self._stepper.aux[gid] = dict(aux)
 
+    def check_usable(self, what: str) -> None:
+        """MisuseError when a failed load_checkpoint left this optimizer unusable ([Note: a failed load changes
+        nothing] in ckpt_verify.py)."""
+        if self.unusable is not None:
+            raise MisuseError(f"{what}: this Zero3Optimizer is unusable after a failed load_checkpoint (its "
+                              f"sub-groups are partly from the checkpoint, partly from before): call "
+                              f"load_checkpoint again or build a new Zero3Optimizer. The load failed with: "
+                              f"{self.unusable}")
+
     def initial_state_values(self, gid: int) -> dict[str, float]:
         """Per-element state keys of sub-group `gid`'s parameter group and the value an element has before
         its first real step (what a resharded element no source sub-group stepped gets)."""
@@ -902,12 +918,14 @@ class Zero3Optimizer(torch.optim.Optimizer):
         """This rank's state: hyperparameters, layout, and its shard of every master and state (CPU tensors).
         Load it with load_state_dict at the same world size and rank; to change either, use
         save_checkpoint / load_checkpoint, which reshard."""
+        self.check_usable("state_dict")
         return {"format": STATE_FORMAT, "world_size": self.world_size, "rank": self.rank,
                 "layout": self.layout.to_dict(), "param_groups": self.hyperparams(),
                 "subgroups": {gid: self.export_subgroup(gid) for gid in self.layout.trainable_gids()},
                 "scaler": self.scaler_state(), "steps": self.steps}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self.check_usable("load_state_dict")
         if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
             raise TierstoreValueError("not a Zero3Optimizer state_dict (no 'format': "
                                       f"{STATE_FORMAT!r}); a plain torch optimizer's state cannot be loaded here")

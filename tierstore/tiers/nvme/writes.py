@@ -37,7 +37,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ...errors import MisuseError, TierstoreValueError, io_error
+from ...errors import MisuseError, StalledError, TierstoreValueError, io_error
 from ...io import ALIGN, Buffer, BufferPool, Engine, StripedFile
 from ..base import TierStats, profile_range
 from .extents import BlockCrcs, Extent, ExtentSpace, align_up, block_crcs
@@ -359,13 +359,15 @@ class ExtentWriter:
         for i in range(chunks):
             a = i * bb
             take = min(bb, n - a)
-            buf = self.lease()
-            ctypes.memmove(buf.addr, addr + a, take)
-            crcs.feed(buf.addr, take)  # [Note: one pass over the data, while it is in cache]
-            try:
+            buf: Buffer | None = None
+            try:  # a lease that fails (sealing the staging buffer failed, a stalled pool) fails the extent too:
+                buf = self.lease()  # its future must settle, or every flush after would wait for it forever
+                ctypes.memmove(buf.addr, addr + a, take)
+                crcs.feed(buf.addr, take)  # [Note: one pass over the data, while it is in cache]
                 io = self.engine.write(sf, buf.tensor(torch.uint8, align_up(take)), off + a)
             except BaseException as e:
-                buf.release()
+                if buf is not None:
+                    buf.release()
                 with lock:
                     err = err or e
                     left -= chunks - i  # this chunk and the ones never submitted
@@ -386,7 +388,9 @@ class ExtentWriter:
         small writes holds one of them until it is sealed; when none is free, it is sealed first -- its
         write then frees the buffer -- so that a small pool (one buffer: pinned_budget == buffer_bytes) can
         never wait on a release that only a later small write or a flush would bring. The wait is short and
-        repeated: another thread's small write may take the freed buffer for a new staging buffer."""
+        repeated: another thread's small write may take the freed buffer for a new staging buffer. Bounded
+        as every wait on the pool ([Note: a wait on the pool is bounded] in io/pool.py)."""
+        start = time.monotonic()
         while True:
             buf = self.pool.try_lease()
             if buf is not None:
@@ -395,7 +399,9 @@ class ExtentWriter:
                 if self._staging is not None:
                     self._seal()
             try:  # another thread's small write may open a new staging buffer with the freed one: look again
-                return self.pool.lease(timeout=0.05)
+                return self.pool.lease(timeout=0.05, since=start)
+            except StalledError:
+                raise
             except TimeoutError:
                 continue
 
