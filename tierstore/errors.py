@@ -117,3 +117,8 @@ class TierstoreTypeError(TierstoreValueError, TypeError):
 
 class MisuseError(TierstoreError, RuntimeError):
     """An object was used in a state that does not allow it (closed, dropped...); the message says what to do."""
+
+
+class IOStalledError(TierstoreIOError, TimeoutError):
+    """I/O requests made no progress for the engine's stall bound. Names what was pending (operation, file,
+    offset, length); see [Note: bounded waits] in io/stall.py."""
