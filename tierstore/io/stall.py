@@ -62,7 +62,7 @@ class Progress:
 
 def describe(fut) -> str:
     """'write of 4096 bytes at offset 0 of /x' for an IOFuture (anything with op/name/offset/nbytes)."""
-    op = {READ: "read", WRITE: "write"}.get(getattr(fut, "op", None), "request")
+    op = {READ: "read", WRITE: "write"}.get(getattr(fut, "op", -1), "request")
     return f"{op} of {fut.nbytes} bytes at offset {fut.offset} of {fut.name}"
 
 
