@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from ..errors import MisuseError
+from .partitioned import is_empty
 
 _lock = threading.Lock()
 _open: weakref.WeakSet = weakref.WeakSet()
@@ -61,7 +62,7 @@ def optimizer_of(model: torch.nn.Module):
 def mark_released(params, closed_by: str) -> None:
     """An optimizer (repr `closed_by`) is closing: its `params` stay empty, their values gone with its store."""
     for p in params:
-        if p.numel() == 0:
+        if is_empty(p):
             setattr(p, RELEASED, closed_by)
 
 
@@ -79,7 +80,7 @@ def check_unowned(model: torch.nn.Module) -> None:
             f"tierstore.zero.optimizer_of(model) returns that optimizer")
     for name, p in model.named_parameters():
         closed_by = getattr(p, RELEASED, None)
-        if closed_by is not None and p.numel() == 0:
+        if closed_by is not None and is_empty(p):
             raise MisuseError(
                 f"parameter {name!r} of this model is empty: {closed_by} partitioned it and was closed, and its "
                 f"values went with it. Build the model again for a new optimizer; to keep the values, hand a "
