@@ -12,7 +12,8 @@ would, without reading anything, and any use that needs its values raises Misuse
 ``GatheredParameters``, the way to read or change it outside the model's forward. When its buckets are
 gathered (forward, backward, ``GatheredParameters``, ``opt.gathered()``) it is a plain Parameter again, so
 the model's compute never goes through the check. Not checked, and so still the empty tensor: ``.data``
-(the optimizer sets and reads it), ``.to()`` (``Module.to`` converts every parameter), and the ``detach()``
+(the optimizer sets and reads it), ``.to()`` (``Module.to`` converts every parameter), the storage
+(``untyped_storage()``, ``data_ptr()``: memory accounting, not values), and the ``detach()``
 of torch's ``Module._save_to_state_dict`` (the state-dict hooks replace what it returns by full values).
 """
 from __future__ import annotations
@@ -82,7 +83,8 @@ _PASS = {getattr(_T, n).__get__ if isinstance(getattr(_T, n, None), type(_T.devi
          for n in ("device", "dtype", "requires_grad", "is_leaf", "grad", "grad_fn", "layout", "is_meta", "is_cuda",
                    "is_sparse", "is_quantized", "is_floating_point", "is_complex", "element_size", "itemsize",
                    "get_device", "__hash__", "register_hook", "register_post_accumulate_grad_hook",
-                   "requires_grad_", "data", "to", "_backward_hooks", "_post_accumulate_grad_hooks", "__reduce_ex__")
+                   "requires_grad_", "data", "to", "untyped_storage", "data_ptr", "_backward_hooks",
+                   "_post_accumulate_grad_hooks", "__reduce_ex__")
          if hasattr(_T, n)}
 _PASS.update({getattr(_T, n).__set__ for n in ("requires_grad", "grad", "data")})
 _PASS.add(torch._has_compatible_shallow_copy_type)
