@@ -59,10 +59,10 @@ def test_params_really_leave_the_model_and_states_live_in_the_store(tmp_path):
     _, m = make_pair()
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(tmp_path, "nvme", "nvme", "nvme"))
     try:
-        assert all(p.numel() == 0 for p in m.parameters())  # released outside forward
+        assert all(p.data.numel() == 0 for p in m.parameters())  # released outside forward
         x, y = batches(1)[0]
         loss_fn(m, x, y).backward()
-        assert all(p.numel() == 0 and p.grad is None for p in m.parameters())
+        assert all(p.data.numel() == 0 and p.grad is None for p in m.parameters())
         assert opt.coordinator.stats().eager_reductions == len(opt.layout.trainable_gids())  # world 1: in backward
         opt.step()
         keys = set(opt.store.keys())
@@ -444,10 +444,10 @@ def test_eval_under_no_grad_matches_and_releases(tmp_path):
         x, _ = batches(1)[0]
         with torch.no_grad():
             assert torch.equal(z_m(x), ref_m(x))
-        assert all(p.numel() == 0 for p in z_m.parameters()) and not opt.coordinator.stats().buckets_held
+        assert all(p.data.numel() == 0 for p in z_m.parameters()) and not opt.coordinator.stats().buckets_held
         with opt.gathered():
             assert torch.equal(z_m.fc2.weight, ref_m.fc2.weight)
-        assert all(p.numel() == 0 for p in z_m.parameters())
+        assert all(p.data.numel() == 0 for p in z_m.parameters())
         opt.step()  # no backward since zero_grad: nothing to do, like torch
         assert torch.equal(opt.full_state_dict()["fc1.weight"], ref_m.fc1.weight)
     finally:

@@ -122,3 +122,8 @@ class MisuseError(TierstoreError, RuntimeError):
 class StalledError(TierstoreError, TimeoutError):
     """A wait that cannot end: what it waits for is held by operations that failed or stopped. The message
     names what waits and what holds it."""
+
+
+class IOStalledError(TierstoreIOError, StalledError):
+    """I/O requests made no progress for the engine's stall bound. Names what was pending (operation, file,
+    offset, length); see [Note: bounded waits] in io/stall.py."""

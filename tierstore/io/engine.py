@@ -45,10 +45,18 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..errors import BackendUnavailableError, MisuseError, TierstoreIOError, TierstoreValueError, io_error
+from ..errors import (
+    BackendUnavailableError,
+    IOStalledError,
+    MisuseError,
+    TierstoreIOError,
+    TierstoreValueError,
+    io_error,
+)
 from . import _uring
 from .files import ALIGN, File, StripedFile
 from .pool import Buffer, BufferPool
+from .stall import Progress, stall_seconds, wait_bounded
 from .tuning import Tuning
 
 log = logging.getLogger("tierstore.io")
@@ -61,9 +69,10 @@ FAULTS = {"eio": _uring.FAULT_EIO, "short": _uring.FAULT_SHORT, "enospc": _uring
 class IOFuture(Future):
     """Future of one read/write request; result() is the number of bytes moved."""
 
-    def __init__(self, op: int, name: str, offset: int, nbytes: int, keep: Any):
+    def __init__(self, op: int, name: str, offset: int, nbytes: int, keep: Any, progress: Progress | None = None):
         super().__init__()
         self.op, self.name, self.offset, self.nbytes = op, name, offset, nbytes
+        self._progress = progress  # the engine's clock: waits give up when it stops ([Note: bounded waits])
         self._keep = keep  # the buffer must live until every piece is done
         self._left = 0
         self._error: BaseException | None = None
@@ -75,12 +84,26 @@ class IOFuture(Future):
                 self._error = error
             self._left -= 1
             last = self._left == 0
+        if self._progress is not None:
+            self._progress.tick()
         if last:
             self._keep = None
             if self._error is not None:
                 self.set_exception(self._error)
             else:
                 self.set_result(self.nbytes)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The bytes moved; without a timeout, raises IOStalledError once the engine made no progress for its
+        stall bound ([Note: bounded waits] in stall.py)."""
+        if timeout is None and self._progress is not None:
+            wait_bounded([self], self._progress)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if timeout is None and self._progress is not None:
+            wait_bounded([self], self._progress)
+        return super().exception(timeout)
 
 
 def buffer_address(buf: Any, writable: bool) -> tuple[int, int, Any]:
@@ -438,11 +461,14 @@ class Engine:
     bytes, in flight together. direct: open files with O_DIRECT where possible.
     pool: a BufferPool whose memory is registered with io_uring (fixed buffers).
     bounce_bytes: the engine's own bounce buffers for unaligned memory (see [Note: bounce buffers]).
+    stall_timeout: seconds without any completed request after which a wait raises IOStalledError naming
+    what is pending (default $TIERSTORE_IO_STALL_S or 300; see [Note: bounded waits] in stall.py).
     `Engine.from_tuning(path)` builds one from what `tierstore tune` recommended.
     """
 
     def __init__(self, backend: str = "auto", queue_depth: int = 32, block_size: int = 1 << 20, *,
-                 direct: bool = True, pool: BufferPool | None = None, bounce_bytes: int = 32 << 20):
+                 direct: bool = True, pool: BufferPool | None = None, bounce_bytes: int = 32 << 20,
+                 stall_timeout: float | None = None):
         if backend not in ("auto", "io_uring", "threads"):
             raise TierstoreValueError(f"backend={backend!r}; choose 'auto', 'io_uring' or 'threads'")
         if not 1 <= queue_depth <= 4096:
@@ -451,6 +477,7 @@ class Engine:
             raise TierstoreValueError(f"block_size={block_size} must be a positive multiple of {ALIGN} bytes")
         if isinstance(bounce_bytes, bool) or not isinstance(bounce_bytes, int) or bounce_bytes < 0:
             raise TierstoreValueError(f"bounce_bytes={bounce_bytes!r} must be an int >= 0 (bytes)")
+        self._progress = Progress(stall_seconds(stall_timeout))
         self.queue_depth = queue_depth
         self.block_size = block_size  # bytes
         self.direct = direct
@@ -591,7 +618,7 @@ class Engine:
             keep.append(k)
             pieces.extend(self._pieces(op, f, addr, nbytes, offset))
             total += nbytes
-        fut = IOFuture(op, f.path, min((o for _, o in requests), default=0), total, keep)
+        fut = IOFuture(op, f.path, min((o for _, o in requests), default=0), total, keep, self._progress)
         if not pieces:
             fut.set_result(0)
             return fut
@@ -701,20 +728,25 @@ class Engine:
                 self._failed.append(fut)
 
     def wait_all(self) -> None:
-        """Wait for every request submitted so far; raise the first error since the last wait_all()."""
+        """Wait for every request submitted so far; raise the first error since the last wait_all(), or
+        IOStalledError naming what is pending once nothing completed for the stall bound ([Note: bounded
+        waits] in stall.py)."""
         while True:
             with self._lock:
                 pending = list(self._outstanding)
             if not pending:
                 break
-            for fut in pending:
-                fut.exception()  # waits; the error is reported below
+            wait_bounded(pending, self._progress, self._pending)
         with self._lock:
             failed, self._failed = self._failed, []
         if failed:
             error = failed[0].exception()
             assert error is not None  # only futures that failed are kept
             raise error
+
+    def _pending(self) -> list[IOFuture]:
+        with self._lock:
+            return [f for f in self._outstanding if not f.done()]
 
     def fsync(self, file: File | StripedFile) -> None:
         """Make everything written to `file` durable."""
@@ -736,6 +768,11 @@ class Engine:
             return
         try:
             self.wait_all()
+        except IOStalledError:
+            # what is pending may still be touched by the kernel or a backend thread: keep the backend, files
+            # and buffers alive, and say what stalled ([Note: bounded waits] in stall.py)
+            self._closed = True
+            raise
         except TierstoreIOError:
             pass  # reported through the futures already
         self._closed = True

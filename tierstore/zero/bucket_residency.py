@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ._layout import Layout
+from .partitioned import partition, unpartition
 
 
 class BucketResidency:
@@ -56,6 +57,12 @@ class BucketResidency:
             e = self._empty[dtype] = torch.empty(0, dtype=dtype, device=self.device)
         return e
 
+    def empty_param(self, name: str, dtype: torch.dtype | None = None) -> None:
+        """Empty parameter `name` ([Note: partitioned parameters read true] in partitioned.py)."""
+        gl = self._group_of[name]
+        dtype = dtype if dtype is not None else self.layout.bucket(self.layout.param_gids[name][0]).dtype
+        partition(self.params[name], self.empty(dtype), gl.plan.params[name].shape)
+
     # -- held -------------------------------------------------------------------------------------------
     def add(self, gid: int, full: torch.Tensor, on_release: Callable[[], None] | None = None) -> None:
         """`full` is bucket `gid` gathered (call `materialize` once every bucket of the batch is added);
@@ -75,6 +82,7 @@ class BucketResidency:
             p = self.params[name]
             gl = self._group_of[name]
             shape = gl.plan.params[name].shape
+            unpartition(p)  # [Note: partitioned parameters read true]
             if len(owners) == 1:
                 p.data = self.live[gid][piece.offset:piece.end].view(shape)
             else:
@@ -94,7 +102,7 @@ class BucketResidency:
             return
         b = self.layout.bucket(gid)
         for piece in b.pieces:
-            self.params[piece.name].data = self.empty(b.dtype)
+            self.empty_param(piece.name, b.dtype)
         done = self._on_release.pop(gid, None)
         if done is not None:
             done()

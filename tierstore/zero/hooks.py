@@ -69,6 +69,18 @@ received a gradient (post-accumulate-grad hook) and, at world size N, agrees the
 backward all_reduce (per-parameter flags, MAX = any rank; GradientReducer.end_of_backward):
 ``grad_names`` holds the parameters that got a gradient on some rank since the optimizer's last
 zero_grad(). The optimizer's step skips the others (see [Note: skipped parameters] in skipped.py).
+
+[Note: compiled models]
+``torch.compile(model)`` traces the module calls, hooks included. Every hook here (the root's and each
+module's forward pre- and post-hook) and the Linear forward of [Note: linear keeps its parameters] are run
+under ``torch.compiler.disable`` (``_eager``), so Dynamo breaks the graph at each of them and runs them
+eagerly, and nothing they call (gathers, store reads, I/O engine, collectives) is traced. What Dynamo
+compiles is the compute between hooks: a module's own arithmetic outside its Linear products (norms,
+activations, attention arithmetic, residual adds), where the parameters are already gathered. The backward
+hooks (gradient hooks on module outputs, post-accumulate-grad hooks) are registered and run by the eager
+autograd engine, outside any graph. Costs: one graph break per hooked module call (a graph per region
+between them, compiled once; the guards see gathered parameters, so no step recompiles), and Linear
+products run as eager calls.
 """
 from __future__ import annotations
 
@@ -212,8 +224,8 @@ class ParamCoordinator:
             if isinstance(m, _READS_CHILDREN):
                 for p in m.parameters():
                     register_external_parameter(m, p)
-        self._handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
-        self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
+        self._handles.append(root.register_forward_pre_hook(_eager(self._root_pre), prepend=True))
+        self._handles.append(root.register_forward_hook(_eager(self._root_post), always_call=True))
         for m in root.modules():
             own = [p for p in m._parameters.values() if p is not None]
             own += list(m.__dict__.get("_tierstore_external", ()))
@@ -222,8 +234,8 @@ class ParamCoordinator:
                 continue
             gids = sorted({g for n in names for g in self.layout.param_gids[n]})
             self._module_gids[id(m)] = gids
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
+            self._handles.append(m.register_forward_pre_hook(_eager(self._pre_forward)))
+            self._handles.append(m.register_forward_hook(_eager(self._post_forward), always_call=True))
             if type(m).forward is torch.nn.Linear.forward and "forward" not in m.__dict__:
                 # [Note: linear keeps its parameters]; [Note: gradients computed in their partition]
                 m.forward = types.MethodType(functools.partial(_linear_keeping_params, grad_out=self._grad_out), m)
@@ -727,6 +739,12 @@ def _grad_target(ctx, i: int, param: torch.Tensor, dtype: torch.dtype) -> torch.
     return ctx.grad_out(param)
 
 
+def _eager(fn):
+    """`fn` run outside any torch.compile graph ([Note: compiled models])."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+@torch.compiler.disable  # [Note: compiled models]
 def _linear_keeping_params(module: torch.nn.Linear, x: torch.Tensor, *, grad_out=None) -> torch.Tensor:
     return _LinearKeepingParams.apply(x, module.weight, module.bias, grad_out)
 

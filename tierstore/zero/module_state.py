@@ -133,7 +133,8 @@ class ModuleState:
             if id(p) in self._name_of:
                 seen[id(p)] = p
         if keep_vars:
-            empty = [self._name_of[i] for i, p in seen.items() if p.numel() != _numel(self.layout, self._name_of[i])]
+            empty = [self._name_of[i] for i, p in seen.items()
+                     if p.data.numel() != _numel(self.layout, self._name_of[i])]
             if empty:
                 raise MisuseError(
                     f"state_dict(keep_vars=True) of a ZeRO-3 model asks for the Parameter objects, and {empty[:3]} "

@@ -323,7 +323,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
         for gid in range(len(self.layout.subgroups)):
             self.coordinator.release(gid)
         for _name, p in self._params.items():
-            p.data = self.coordinator.empty(cdt)
+            self.coordinator.residency.empty_param(_name, cdt)  # [Note: partitioned parameters read true]
             if hasattr(p, "_tierstore_init"):
                 p._tierstore_init.discard()
                 del p._tierstore_init

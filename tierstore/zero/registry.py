@@ -24,6 +24,7 @@ import weakref
 import torch
 
 from ..errors import MisuseError
+from .partitioned import is_empty
 
 _lock = threading.Lock()
 _open: weakref.WeakSet = weakref.WeakSet()
@@ -75,7 +76,7 @@ def optimizer_of(model: torch.nn.Module):
 def mark_released(params, closed_by: str) -> None:
     """An optimizer (repr `closed_by`) is closing: its `params` stay empty, their values gone with its store."""
     for p in params:
-        if p.numel() == 0:
+        if is_empty(p):
             setattr(p, RELEASED, closed_by)
 
 
@@ -101,7 +102,7 @@ def check_unowned(model: torch.nn.Module) -> None:
             f"tierstore.zero.optimizer_of(model) returns that optimizer")
     for name, p in model.named_parameters():
         closed_by = getattr(p, RELEASED, None)
-        if closed_by is not None and p.numel() == 0:
+        if closed_by is not None and is_empty(p):
             raise MisuseError(
                 f"parameter {name!r} of this model is empty: {closed_by} held it and was closed, and its values "
                 f"went with it. Build the model again; to keep the values, hand a model back with "

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import MisuseError
 from . import _dist, clip, registry
+from .partitioned import unpartition
 
 log = logging.getLogger("tierstore.zero")
 
@@ -47,6 +48,7 @@ def release_model(opt) -> torch.nn.Module:
     model = opt.model
     opt.close()
     for name, p in opt._params.items():
+        unpartition(p)
         p.data = values.pop(name).to(opt.device)
         if hasattr(p, registry.RELEASED):
             delattr(p, registry.RELEASED)

@@ -1,0 +1,77 @@
+"""Bounded waits: a request that never completes is an IOStalledError naming it, from wait_all(), a
+future's result() and close() -- within seconds of the engine's stall bound, never a hang."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tierstore.errors import IOStalledError, TierstoreIOError, TierstoreValueError
+from tierstore.io.engine import Engine
+
+BACKENDS = ["threads", "auto"]
+
+
+def lose_requests(eng: Engine) -> None:
+    """The injected fault: the backend accepts pieces and never completes them."""
+    eng._backend.submit_many = lambda pieces: None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_close_after_a_lost_request_raises_naming_it(tmp_path, backend):
+    eng = Engine(backend, stall_timeout=0.5)
+    buf = torch.arange(2048, dtype=torch.float32)
+    eng.write(tmp_path / "ok.bin", buf).result()  # the engine works
+    lose_requests(eng)
+    eng.write(tmp_path / "lost.bin", buf, 8192)
+    t = time.monotonic()
+    with pytest.raises(IOStalledError) as e:
+        eng.close()
+    assert time.monotonic() - t < 5
+    err = e.value
+    assert isinstance(err, TierstoreIOError) and isinstance(err, TimeoutError)
+    assert err.filename.endswith("lost.bin") and err.offset == 8192 and err.length == buf.numel() * 4
+    assert "write of 8192 bytes at offset 8192" in str(err) and "stall_timeout" in str(err)
+    eng.close()  # closed: a second close returns at once
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_result_and_wait_all_are_bounded(tmp_path, backend):
+    eng = Engine(backend, stall_timeout=0.3)
+    path = tmp_path / "x.bin"
+    eng.write(path, torch.zeros(1024)).result()
+    lose_requests(eng)
+    fut = eng.read(path, torch.empty(1024))
+    with pytest.raises(IOStalledError, match="read of 4096 bytes at offset 0"):
+        fut.result()
+    with pytest.raises(IOStalledError, match="read of 4096 bytes"):
+        eng.wait_all()
+    assert not fut.done()
+    with pytest.raises(IOStalledError):
+        eng.close()
+
+
+def test_slow_progress_is_not_a_stall(tmp_path):
+    """The bound is on time without any completion: a queue that keeps completing is waited for."""
+    eng = Engine("threads", queue_depth=1, block_size=4096, stall_timeout=0.5)
+    real = eng._backend._run
+
+    def slow(p):
+        time.sleep(0.05)
+        real(p)
+
+    eng._backend._run = slow
+    futs = [eng.write(tmp_path / "s.bin", torch.zeros(1024), i * 4096) for i in range(20)]  # ~1 s in all
+    eng.wait_all()
+    assert all(f.result() == 4096 for f in futs)
+    eng.close()
+
+
+def test_stall_timeout_is_checked(monkeypatch):
+    with pytest.raises(TierstoreValueError, match="stall_timeout=0"):
+        Engine("threads", stall_timeout=0)
+    monkeypatch.setenv("TIERSTORE_IO_STALL_S", "soon")
+    with pytest.raises(TierstoreValueError, match="TIERSTORE_IO_STALL_S='soon'"):
+        Engine("threads")
+
