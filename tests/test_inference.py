@@ -321,3 +321,17 @@ def test_one_holder_per_model_optimizer_or_offload(tmp_path):
     h.close(restore=True)
     opt2 = Zero3Optimizer(served, torch.optim.AdamW, lr=1e-3, config=cfg)  # restored: a plain model again
     opt2.close()
+
+
+def test_an_offloaded_model_counts_its_parameters_true(tmp_path):
+    m = _gpt2()
+    want = sum(p.numel() for p in m.parameters())
+    shapes = [tuple(p.shape) for p in m.parameters()]
+    with offload_for_inference(m, tier="host", budget_bytes=_budget(m)):
+        assert sum(p.numel() for p in m.parameters()) == want  # before the first forward
+        assert [tuple(p.shape) for p in m.parameters()] == shapes
+        with torch.no_grad():
+            m(IDS)
+        assert sum(p.numel() for p in m.parameters()) == want  # and after it
+        with pytest.raises(MisuseError, match="GatheredParameters"):
+            m.transformer.wte.weight.sum()

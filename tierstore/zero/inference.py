@@ -58,6 +58,7 @@ from ..store import Store
 from . import registry
 from ._layout import Layout
 from .hooks import _READS_CHILDREN, ParamCoordinator
+from .partitioned import partition, unpartition
 from .weight_sources import CheckpointFiles, Sources
 
 TIERS = ("host", "nvme")
@@ -221,8 +222,9 @@ class OffloadedModel:
         self.coordinator = ParamCoordinator(
             model, self.layout, params, self._fetch, _NoGradients(), device=self.device,
             prefetch_depth=1 if prefetch else 0, prefetch_bytes=max(0, budget_bytes - need), lend_shard=lend)
-        for name, p in params.items():
-            p.data = self.coordinator.empty(self.layout.specs[name][1])
+        for name, p in params.items():  # empty, reading as its full shape ([Note: partitioned parameters read true])
+            shape, dtype, _ = self.layout.specs[name]
+            partition(p, self.coordinator.empty(dtype), shape)
         # [Note: inference over the ZeRO-3 hooks]: the next forward's first modules are read while the caller
         # works between forwards; registered after the coordinator's own post-hook, so it runs after it
         self._after = model.register_forward_hook(self._forward_done, always_call=True)
@@ -354,6 +356,7 @@ class OffloadedModel:
                     if pc.name == name:
                         flat[pc.param_offset:pc.param_offset + pc.numel].copy_(full[pc.offset:pc.end])
                 del full
+            unpartition(p)  # a plain Parameter again ([Note: partitioned parameters read true] in partitioned.py)
             p.data = value
 
     def __repr__(self) -> str:
