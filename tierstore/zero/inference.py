@@ -40,7 +40,8 @@ The store is filled one bucket at a time: each parameter's elements come from it
 chunks are deleted from the Init store as they are taken), from a safetensors checkpoint (one tensor read
 at a time through ``safe_open``; parameters may then be on the meta device), or from the parameter's own
 value in memory -- whose ``.data`` is emptied afterwards. So a model built under Init or loaded from a
-checkpoint is never in memory as a whole: at most one bucket and one checkpoint tensor are.
+checkpoint is never in memory as a whole: at most one bucket and one checkpoint tensor are (and what is freed
+goes back to the system: [Note: freed weights go back to the system] in heap.py).
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ import torch
 
 from ..errors import CorruptionError, MisuseError, TierstoreValueError
 from ..store import Store
-from . import registry
+from . import heap, registry
 from ._layout import Layout
 from .hooks import _READS_CHILDREN, ParamCoordinator
 from .partitioned import partition, unpartition
@@ -240,11 +241,11 @@ class OffloadedModel:
                     at = pc.param_offset + start - pc.offset
                     sources.take(pc.name, at, at + stop - start, buf[start:stop])
                 self._names[gid] = [pc.name for pc in b.pieces]
-                if self._codec is not None:
-                    self.store.put(_key(gid), buf.to(torch.float32), tier=self.tier, codec=self._codec)
-                else:
-                    self.store.put(_key(gid), buf.to(self.weights_dtype or b.dtype), tier=self.tier)
-                del buf
+                stored = buf.to(torch.float32) if self._codec is not None else buf.to(self.weights_dtype or b.dtype)
+                self.store.put(_key(gid), stored, tier=self.tier, codec=self._codec)
+                nbytes = buf.nbytes + (stored.nbytes if stored.data_ptr() != buf.data_ptr() else 0)
+                del buf, stored
+                heap.dropped(nbytes)  # [Note: freed weights go back to the system] in heap.py
 
     def _largest_module_bytes(self, model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> int:
         """Bytes of the buckets the module that needs the most gathers (own and external parameters)."""

@@ -12,7 +12,8 @@ still initialise the weights), every parameter of the module that is not already
 any a parent created -- is written to the store on the ``params`` tier and its ``.data`` becomes an empty
 tensor; ``param._tierstore_init`` keeps the handle (shape, dtype, the slice held) and the parameter's class
 becomes ``OffloadedParameter`` (see [Note: initialisation right by construction]). Peak memory while
-building is therefore about the largest module being initialised plus what this rank stores, not the model.
+building is therefore about the largest module being initialised plus what this rank stores, not the model
+(resident memory too: [Note: freed weights go back to the system] in heap.py).
 Parameters on the meta device (a model built under ``torch.device("meta")``, as transformers'
 ``from_pretrained`` does) are not offloaded there: the real values assigned later are
 ([Note: from_pretrained under Init]).
@@ -82,7 +83,7 @@ import torch
 
 from ..errors import MisuseError
 from ..store import Store
-from . import _dist, scratch
+from . import _dist, heap, scratch
 from .config import OffloadConfig
 
 CHUNK_MIN_BYTES = 1 << 20  # a stored chunk of a slice holds max(sub_group_bytes, this) bytes (see _offload)
@@ -132,7 +133,10 @@ class _Handle:
             if key is None:
                 raise MisuseError("a parameter built under zero.Init was already taken by a Zero3Optimizer; use "
                                   "GatheredParameters / opt.gathered() to read it")
-            out[s - a:e - a].copy_(self.init.live_store().get(key)[s - c_lo:e - c_lo])
+            vals = self.init.live_store().get(key)
+            out[s - a:e - a].copy_(vals[s - c_lo:e - c_lo])
+            heap.dropped(vals.nbytes)  # [Note: freed weights go back to the system] in heap.py
+            del vals
 
     def read_full(self, group) -> torch.Tensor:
         """The parameter's whole value (its shape and dtype): this rank's slice, all-gathered at world size N
@@ -181,7 +185,9 @@ class _Handle:
                                   f"taken by an optimizer; a parameter can be partitioned by one Zero3Optimizer")
             vals = self.init.live_store().get(key)
             out[s - a:e - a].copy_(vals[s - c_lo:e - c_lo])
+            nbytes = vals.nbytes
             del vals
+            heap.dropped(nbytes)  # [Note: freed weights go back to the system] in heap.py
             self._left[i] -= e - s
             if self._left[i] <= 0:
                 self.init._discard(key)
@@ -395,6 +401,7 @@ class Init:
         self._live += len(keys)
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         _wrap(p, handle)
+        heap.dropped(n * p.element_size())  # [Note: freed weights go back to the system] in heap.py
 
     def live_store(self) -> Store:
         """The store of the chunks (while the context is open, and until every chunk was taken)."""
@@ -545,6 +552,8 @@ class _Scope:
                 h.write_full(v)
             p.data = torch.empty(0, dtype=h.dtype, device=v.device)
             _wrap(p, h)
+            del v
+            heap.dropped(h.numel * h.dtype.itemsize)  # [Note: freed weights go back to the system] in heap.py
 
 
 def _state_dict_scopes(module: torch.nn.Module) -> None:

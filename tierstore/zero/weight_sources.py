@@ -10,6 +10,7 @@ import os
 import torch
 
 from ..errors import TierstoreValueError
+from . import heap
 
 
 class CheckpointFiles:
@@ -109,7 +110,7 @@ class Sources:
         assert self.ckpt is not None
         key = self.ckpt.find(self.aliases[name])
         assert key is not None
-        self._last = None  # the previous parameter's value goes before the next one is read
+        self._drop_last()  # the previous parameter's value goes before the next one is read
         value = self.ckpt.read(key)
         shape = tuple(p._tierstore_init.shape) if hasattr(p, "_tierstore_init") else tuple(p.shape)
         if tuple(value.shape) != shape:
@@ -119,7 +120,13 @@ class Sources:
         self._last = (name, value)
         return value
 
+    def _drop_last(self) -> None:
+        if self._last is not None:
+            nbytes = self._last[1].nbytes
+            self._last = None
+            heap.dropped(nbytes)  # [Note: freed weights go back to the system] in heap.py
+
     def done(self) -> None:
-        self._last = None
+        self._drop_last()
         if self.ckpt is not None:
             self.ckpt.close()
