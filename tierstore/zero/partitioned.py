@@ -12,7 +12,9 @@ would, without reading anything, and any use that needs its values raises Misuse
 ``GatheredParameters``, the way to read or change it outside the model's forward. When its buckets are
 gathered (forward, backward, ``GatheredParameters``, ``opt.gathered()``) it is a plain Parameter again, so
 the model's compute never goes through the check. Not checked, and so still the empty tensor: ``.data``
-(the optimizer sets and reads it), ``.to()`` (``Module.to`` converts every parameter), the storage
+(the optimizer sets and reads it), ``.to()`` and the casts ``Module.half()`` and its kind make (every
+parameter converted; the model's guard in model_guard.py refuses a cast the optimizer cannot follow), the
+gradients ``torch.autograd.grad`` / ``backward`` take with respect to it (its hooks gather it), the storage
 (``untyped_storage()``, ``data_ptr()``: memory accounting, not values), and the ``detach()``
 of torch's ``Module._save_to_state_dict`` (the state-dict hooks replace what it returns by full values).
 """
@@ -47,8 +49,9 @@ class PartitionedParameter(torch.nn.Parameter):
             if func is torch.Tensor.__repr__:
                 return (f"PartitionedParameter(shape={tuple(shape)}, dtype={first.dtype}; "
                         "partitioned by a Zero3Optimizer)")
-        for t in _partitioned_in((args, kwargs)):
-            raise _misuse(t, func)
+        if func not in _AUTOGRAD:  # a gradient with respect to it reads no values: its hooks gather them
+            for t in _partitioned_in((args, kwargs)):
+                raise _misuse(t, func)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -84,10 +87,14 @@ _PASS = {getattr(_T, n).__get__ if isinstance(getattr(_T, n, None), type(_T.devi
                    "is_sparse", "is_quantized", "is_floating_point", "is_complex", "element_size", "itemsize",
                    "get_device", "__hash__", "register_hook", "register_post_accumulate_grad_hook",
                    "requires_grad_", "data", "to", "untyped_storage", "data_ptr", "_backward_hooks",
-                   "_post_accumulate_grad_hooks", "__reduce_ex__")
+                   "_post_accumulate_grad_hooks", "__reduce_ex__",
+                   # the casts Module.half() / .bfloat16() / .float() / .cpu() make: as .to(), Module's own (the
+                   # model's guard refuses those to another dtype or device than the optimizer's)
+                   "half", "bfloat16", "float", "double", "cpu", "cuda")
          if hasattr(_T, n)}
 _PASS.update({getattr(_T, n).__set__ for n in ("requires_grad", "grad", "data")})
 _PASS.add(torch._has_compatible_shallow_copy_type)
+_AUTOGRAD = {torch.autograd.grad, torch.autograd.backward, _T.backward}
 
 
 def _partitioned_in(obj):
