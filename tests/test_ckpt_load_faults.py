@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from tests.support import batches, cfg, loss_fn, make_pair
+from tests.support import batches, cfg, flip_byte, loss_fn, make_pair
 from tierstore.errors import CorruptionError, MisuseError, TierstoreIOError
 from tierstore.zero import Zero3Optimizer, consolidate
 from tierstore.zero.checkpoint import _RecordFile, read_meta  # private reader: finds the byte to damage
@@ -46,14 +46,6 @@ def same(a, b) -> bool:
     return a == b
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
-
-
 def _record(root, fname: str, name: str) -> tuple[str, dict]:
     sub, body = read_meta(root)
     path = os.path.join(sub, fname)
@@ -80,7 +72,7 @@ def _damage(root, last: int, how: str, fname: str = "rank00000.bin") -> None:
         path, r = _record(root, "buffers.bin", "seen")
     else:
         path, r = _record(root, fname, f"{last}.{how}")
-    _flip(path, r["offset"] + r["nbytes"] // 2)
+    flip_byte(path, r["offset"] + r["nbytes"] // 2)
 
 
 @pytest.mark.parametrize("how", ["master", "state.exp_avg", "state.step", "buffer"])

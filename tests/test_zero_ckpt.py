@@ -16,6 +16,7 @@ from tests.support import (
     Net,
     batches,
     cfg,
+    flip_byte,
     loss_fn,
     make_pair,
     peak_growth,
@@ -238,14 +239,6 @@ def _kill_rounds(tmp_path, ctx, rng, seen):
         assert len(leftovers) <= 3  # the current one, the kept one, at most one interrupted save
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
-
-
 def test_damaged_record_index_or_size_is_reported_with_file_and_offset(tmp_path):
     from tierstore.zero.checkpoint import _RecordFile, read_meta  # private reader: finds the byte to damage
     _, m = make_pair()
@@ -258,7 +251,7 @@ def test_damaged_record_index_or_size_is_reported_with_file_and_offset(tmp_path)
     rec = _RecordFile(path, read_meta(tmp_path / "ck0")[1]["files"]["rank00000.bin"])
     r = rec.records[f"{gid}.state.exp_avg"]
     rec.close()
-    _flip(path, r["offset"] + r["nbytes"] // 2)
+    flip_byte(path, r["offset"] + r["nbytes"] // 2)
     with pytest.raises(CorruptionError) as e:
         opt.load_checkpoint(tmp_path / "ck0")
     msg = str(e.value)
@@ -267,7 +260,7 @@ def test_damaged_record_index_or_size_is_reported_with_file_and_offset(tmp_path)
     assert e.value.filename == path and e.value.offset == r["offset"]
     # a byte of the index (just before the 24-byte footer): refused before any record is used
     path = os.path.join(cks[1], "rank00000.bin")
-    _flip(path, os.path.getsize(path) - 24 - 10)
+    flip_byte(path, os.path.getsize(path) - 24 - 10)
     with pytest.raises(CorruptionError, match="index fails its crc32c"):
         opt.load_checkpoint(tmp_path / "ck1")
     # a truncated file

@@ -23,8 +23,8 @@ test_zero_dist.py) rather than one launch per test.
 from .dist import RanksFailed, run_isolated, run_ranks
 from .memory import peak_growth, rss_follows_live_memory
 from .models import Branchy, Checkpointed, Deep, Net, Odd, batches, loss_fn, make_pair
-from .zero import cfg, max_rel, reference
+from .zero import cfg, flip_byte, max_rel, reference
 
-__all__ = ["Branchy", "Checkpointed", "Deep", "Net", "Odd", "RanksFailed", "batches", "cfg", "loss_fn",
+__all__ = ["Branchy", "Checkpointed", "Deep", "Net", "Odd", "RanksFailed", "batches", "cfg", "flip_byte", "loss_fn",
            "make_pair", "max_rel", "peak_growth", "reference", "rss_follows_live_memory", "run_isolated",
            "run_ranks"]

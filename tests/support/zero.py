@@ -42,3 +42,12 @@ def reference(opt_cls, kwargs: dict, steps: int) -> torch.nn.Module:
             ref.zero_grad()
         _REFERENCE[key] = ref_m
     return _REFERENCE[key]
+
+
+def flip_byte(path: str, offset: int) -> None:
+    """Damage a file in place: flip one bit of the byte at `offset` (a checksum must catch it)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))

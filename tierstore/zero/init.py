@@ -85,6 +85,7 @@ from ..errors import MisuseError
 from ..store import Store
 from . import _dist, heap, scratch
 from .config import OffloadConfig
+from .partitioned import func_name
 
 CHUNK_MIN_BYTES = 1 << 20  # a stored chunk of a slice holds max(sub_group_bytes, this) bytes (see _offload)
 _active: list[Init] = []
@@ -496,9 +497,7 @@ def _materialize(p: torch.Tensor, func) -> None:
     """Bring back p's value into the innermost open scope ([Note: initialisation right by construction])."""
     h: _Handle = p._tierstore_init  # type: ignore[attr-defined]
     if not _scopes:
-        owner = getattr(func, "__self__", None)  # a property's __get__ / __set__: name the property
-        what = f"Tensor.{owner.__name__}" if owner is not None and hasattr(owner, "__name__") else \
-            getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+        what = func_name(func)
         raise MisuseError(
             f"{what} on a parameter of shape {tuple(h.shape)} that tierstore.zero.Init offloaded: its value is in "
             f"the store (.data is empty) and no scope is open to bring it back. Read or change it inside "

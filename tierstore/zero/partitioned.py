@@ -56,10 +56,16 @@ class PartitionedParameter(torch.nn.Parameter):
             return func(*args, **kwargs)
 
 
-def _misuse(p: torch.Tensor, func) -> MisuseError:
+def func_name(func) -> str:
+    """What a ``__torch_function__`` call is, for an error message."""
     owner = getattr(func, "__self__", None)  # a property's __get__ / __set__: name the property
-    what = f"Tensor.{owner.__name__}" if owner is not None and hasattr(owner, "__name__") else \
-        getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    if owner is not None and hasattr(owner, "__name__"):
+        return f"Tensor.{owner.__name__}"
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def _misuse(p: torch.Tensor, func) -> MisuseError:
+    what = func_name(func)
     return MisuseError(
         f"{what} on a parameter of shape {tuple(getattr(p, _SHAPE))} that a Zero3Optimizer partitions: outside "
         f"the model's forward and backward its values are shards in the store. Read it inside `with "
