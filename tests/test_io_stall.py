@@ -75,3 +75,42 @@ def test_stall_timeout_is_checked(monkeypatch):
     with pytest.raises(TierstoreValueError, match="TIERSTORE_IO_STALL_S='soon'"):
         Engine("threads")
 
+
+
+def test_a_pause_without_io_is_not_a_stall(tmp_path):
+    """The clock starts when the engine goes from idle to busy: a request after a pause longer than the
+    bound, slower than a wait's slice, completes."""
+    eng = Engine("threads", stall_timeout=0.3)
+    buf = torch.arange(2048, dtype=torch.float32)
+    eng.write(tmp_path / "a.bin", buf).result()
+    time.sleep(0.5)  # idle for longer than the bound
+    real = eng._backend.submit_many
+
+    def slow(pieces):
+        time.sleep(0.28)  # under the bound, over a wait's 0.25 s slice
+        return real(pieces)
+
+    eng._backend.submit_many = slow
+    eng.write(tmp_path / "a.bin", buf).result()
+    eng.close()
+
+
+def test_the_nvme_tiers_write_waits_are_bounded(tmp_path, monkeypatch):
+    """A store's flush waits for its writes through the engine's bound: a lost write is an IOStalledError
+    naming it, not a hang."""
+    import tierstore
+    monkeypatch.setenv("TIERSTORE_IO_STALL_S", "0.5")
+    store = tierstore.Store([tmp_path / "s"], host_budget=0)
+    store.put("a", torch.arange(1 << 20, dtype=torch.float32))
+    store.flush()
+    lose_requests(store._engine)  # private: the injected fault needs the store's engine
+    store.put("b", torch.arange(1 << 20, dtype=torch.float32))
+    t = time.monotonic()
+    with pytest.raises(TierstoreIOError) as e:  # the flush says what became of 'b', the stall is its cause
+        store.flush()
+    assert time.monotonic() - t < 10
+    assert isinstance(e.value.__cause__, IOStalledError) and "pending: write" in str(e.value.__cause__)
+    assert "'b'" in str(e.value)
+    t = time.monotonic()
+    store.close(flush=False)  # logs what it could not close, and returns
+    assert time.monotonic() - t < 10

@@ -634,6 +634,8 @@ class Engine:
                 counts["direct" if p.direct else "buffered"] += p.length
         fut._left = len(pieces)
         with self._lock:
+            if not self._outstanding:  # busy from idle: the stall clock starts now ([Note: bounded waits])
+                self._progress.tick()
             self._outstanding.add(fut)
             for key, v in counts.items():
                 self._counts[key] += v
@@ -743,6 +745,13 @@ class Engine:
             error = failed[0].exception()
             assert error is not None  # only futures that failed are kept
             raise error
+
+    def wait_for(self, futures) -> None:
+        """Wait until every future of `futures` is done -- futures of a layer above (a write through a staging
+        buffer) that this engine's requests complete -- bounded as the engine's own waits are: IOStalledError
+        naming the engine's pending requests once none completed for the stall bound ([Note: bounded waits]
+        in stall.py). Errors stay on the futures."""
+        wait_bounded(futures, self._progress, self._pending)
 
     def _pending(self) -> list[IOFuture]:
         with self._lock:

@@ -7,7 +7,10 @@ the engine has completed a piece for ``stall_s`` seconds (the engine's ``stall_t
 ``DEFAULT_STALL_S``, or the ``TIERSTORE_IO_STALL_S`` environment variable). The bound is on the absence of
 progress, not on the wait's length: a long queue on a slow disk keeps completing pieces and is never cut
 short, while a request the kernel or a backend lost (a dead completion thread, a hung device) stops every
-completion and is reported after ``stall_s``. The error (IOStalledError: a TierstoreIOError and a
+completion and is reported after ``stall_s``. The clock starts again when the engine goes from idle to busy,
+so a long pause without I/O is never taken for a stall; futures of the layers above that the engine's
+requests complete (the nvme tier's writes) are waited for with ``Engine.wait_for``, bounded the same way
+while the engine has requests in flight. The error (IOStalledError: a TierstoreIOError and a
 TimeoutError, errno ETIMEDOUT) names the pending requests: operation, file, offset and length.
 
 A request that stalled may still be touched by the kernel or a backend thread, so ``Engine.close()`` after a
@@ -86,5 +89,7 @@ def wait_bounded(futures: Iterable[Future], progress: Progress, everything=None)
         wait(futs, timeout=_SLICE_S)
         futs = [f for f in futs if not f.done()]
         if futs and time.monotonic() - progress.last > progress.stall_s:
-            pending = (everything() if everything is not None else None) or futs
+            pending = everything() if everything is not None else futs
+            if not pending:  # no request in flight to blame: what is awaited waits on something else
+                continue
             raise stalled(sorted(pending, key=lambda f: (f.name, f.offset)), progress)

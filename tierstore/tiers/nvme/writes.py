@@ -415,6 +415,7 @@ class ExtentWriter:
             with self._lock:
                 if self._staging is not None and self._staging.future is w:
                     self._seal()
+        self.engine.wait_for([w])  # bounded ([Note: bounded waits] in io/stall.py)
         w.result()  # raises the write's error
         e.written = None
 
@@ -422,8 +423,7 @@ class ExtentWriter:
         """Wait for every write in flight (their errors stay on their futures)."""
         with self._inflight_lock:
             pending = list(self._inflight)
-        for fut in pending:
-            fut.exception()  # wait
+        self.engine.wait_for(pending)  # bounded ([Note: bounded waits] in io/stall.py)
 
     def drop_staging(self) -> None:
         """Close: what is staged and not yet written never will be (its extents' futures say so)."""
