@@ -9,7 +9,7 @@ import torch
 
 from tests.support import batches, cfg, loss_fn, make_pair
 from tierstore.errors import MisuseError
-from tierstore.zero import GatheredParameters, Zero3Optimizer, release_model
+from tierstore.zero import GatheredParameters, OffloadConfig, Zero3Optimizer, release_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -86,3 +86,18 @@ def test_hf_num_parameters_and_trainer_logged_count(tmp_path):
     logged = [r.getMessage() for r in records if "Number of trainable parameters" in r.getMessage()]
     assert logged and logged[0].split("=")[-1].strip() == f"{want_trainable:,}"
     assert model.num_parameters() == want and model.num_parameters(only_trainable=True) == want_trainable
+
+
+def test_casts_to_its_own_dtype_are_the_parameter_and_others_read_values():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    opt = Zero3Optimizer(model, torch.optim.AdamW, lr=1e-3, config=OffloadConfig(params="host",
+                         optimizer_states="host", gradients="host"))
+    try:
+        w = model[0].weight
+        assert w.float() is w and w.cpu() is w  # what Module.float() / .cpu() do: nothing to convert
+        with pytest.raises(MisuseError, match="GatheredParameters"):
+            w.double()  # a real conversion reads the values
+        with pytest.raises(MisuseError, match="GatheredParameters"):
+            w.float().sum()
+    finally:
+        opt.close()

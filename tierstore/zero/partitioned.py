@@ -12,9 +12,10 @@ would, without reading anything, and any use that needs its values raises Misuse
 ``GatheredParameters``, the way to read or change it outside the model's forward. When its buckets are
 gathered (forward, backward, ``GatheredParameters``, ``opt.gathered()``) it is a plain Parameter again, so
 the model's compute never goes through the check. Not checked, and so still the empty tensor: ``.data``
-(the optimizer sets and reads it), ``.to()`` and the casts ``Module.half()`` and its kind make (every
-parameter converted; the model's guard in model_guard.py refuses a cast the optimizer cannot follow), the
-gradients ``torch.autograd.grad`` / ``backward`` take with respect to it (its hooks gather it), the storage
+(the optimizer sets and reads it), ``.to()`` (``Module.to`` converts every parameter; the model's guard in
+model_guard.py refuses a cast the optimizer cannot follow), ``.half()`` / ``.float()`` / ``.cpu()`` and their
+kind to the parameter's own dtype or device (the parameter itself, as torch returns), the gradients
+``torch.autograd.grad`` / ``backward`` take with respect to it (its hooks gather it), the storage
 (``untyped_storage()``, ``data_ptr()``: memory accounting, not values), and the ``detach()``
 of torch's ``Module._save_to_state_dict`` (the state-dict hooks replace what it returns by full values).
 """
@@ -46,6 +47,11 @@ class PartitionedParameter(torch.nn.Parameter):
             if func in _PASS or (func is _T.detach and sys._getframe(1).f_code is _SAVE):
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **kwargs)
+            same = _SAME.get(func)
+            if same is not None and not kwargs and len(args) == 1:
+                with torch._C.DisableTorchFunctionSubclass():
+                    if same(first):
+                        return first
             if func is torch.Tensor.__repr__:
                 return (f"PartitionedParameter(shape={tuple(shape)}, dtype={first.dtype}; "
                         "partitioned by a Zero3Optimizer)")
@@ -93,14 +99,16 @@ _PASS = {getattr(_T, n).__get__ if isinstance(getattr(_T, n, None), type(_T.devi
                    "is_sparse", "is_quantized", "is_floating_point", "is_complex", "element_size", "itemsize",
                    "get_device", "__hash__", "register_hook", "register_post_accumulate_grad_hook",
                    "requires_grad_", "data", "to", "untyped_storage", "data_ptr", "_backward_hooks",
-                   "_post_accumulate_grad_hooks", "__reduce_ex__",
-                   # the casts Module.half() / .bfloat16() / .float() / .cpu() make: as .to(), Module's own (the
-                   # model's guard refuses those to another dtype or device than the optimizer's)
-                   "half", "bfloat16", "float", "double", "cpu", "cuda")
+                   "_post_accumulate_grad_hooks", "__reduce_ex__")
          if hasattr(_T, n)}
 _PASS.update({getattr(_T, n).__set__ for n in ("requires_grad", "grad", "data")})
 _PASS.add(torch._has_compatible_shallow_copy_type)
 _AUTOGRAD = {torch.autograd.grad, torch.autograd.backward, _T.backward}
+# the casts Module.half() / .bfloat16() / .float() / .cpu() make: to the parameter's own dtype or device they
+# are the parameter itself (the model's guard lets Module's only to the optimizer's); any other reads values
+_SAME = {_T.half: lambda p: p.dtype == torch.float16, _T.bfloat16: lambda p: p.dtype == torch.bfloat16,
+         _T.float: lambda p: p.dtype == torch.float32, _T.double: lambda p: p.dtype == torch.float64,
+         _T.cpu: lambda p: p.device.type == "cpu", _T.cuda: lambda p: p.device.type == "cuda"}
 
 
 def _partitioned_in(obj):
