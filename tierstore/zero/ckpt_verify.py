@@ -70,14 +70,15 @@ def verify_then_import(opt, plan: Callable[[], Iterable[Any]], apply: Callable[[
     again handing each item to `apply`. See [Note: a failed load changes nothing]."""
     failed: BaseException | None = None
     try:
-        for _item in plan():
-            pass
+        for item in plan():
+            del item  # dropped before the next is built: one destination sub-group in memory at a time
     except Exception as e:
         failed = e
     _agree(opt, failed, UNCHANGED)
     try:
         for item in plan():
             apply(item)
+            del item  # as above
     except Exception as e:
         failed = e
     except BaseException:  # KeyboardInterrupt ...: no exchange (the other ranks may not be interrupted)
