@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..errors import MisuseError
 
@@ -112,14 +113,8 @@ _SAME = {_T.half: lambda p: p.dtype == torch.float16, _T.bfloat16: lambda p: p.d
 
 
 def _partitioned_in(obj):
-    if isinstance(obj, PartitionedParameter) and hasattr(obj, _SHAPE):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _partitioned_in(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _partitioned_in(o)
+    """The partitioned parameters among the leaves of `obj` (nested lists, tuples, dicts)."""
+    return [t for t in tree_leaves(obj) if isinstance(t, PartitionedParameter) and hasattr(t, _SHAPE)]
 
 
 def partition(p: torch.Tensor, empty: torch.Tensor, shape: tuple[int, ...]) -> None:
