@@ -18,16 +18,11 @@ from typing import Any
 import torch
 
 from ..errors import TierstoreTypeError, TierstoreValueError
-from ..tiers import TIERS, tier_info
+from ..tiers import tier_info
 from . import validate
 from .validate import known_fields
 
 log = logging.getLogger("tierstore.zero")
-
-STATE_CODECS = (None, "dynamic8")
-COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-CLIP_MODES = ("exact", "previous_norm")
-
 
 @known_fields  # an unknown field is a TierstoreTypeError naming it and the closest field
 @dataclass
@@ -124,84 +119,7 @@ class OffloadConfig:
     extra: dict = field(default_factory=dict)  # keys from_deepspeed could not map, kept for reference
 
     def __post_init__(self) -> None:
-        for name in ("params", "optimizer_states", "gradients"):
-            v = getattr(self, name)
-            if v not in TIERS:
-                raise TierstoreValueError(f"OffloadConfig({name}={v!r}): use one of {TIERS}")
-        self.nvme_paths = validate.nvme_paths(self.nvme_paths)
-        if self.uses_nvme and not self.nvme_paths:
-            raise TierstoreValueError("OffloadConfig: a tier is 'nvme' but nvme_paths is empty; pass "
-                                      "nvme_paths=['/path/on/nvme'] (one directory per drive)")
-        if self.state_codec not in STATE_CODECS:
-            raise TierstoreValueError(f"OffloadConfig(state_codec={self.state_codec!r}): use None or 'dynamic8'")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise TierstoreValueError(f"OffloadConfig(compute_dtype={self.compute_dtype}): use torch.float32, "
-                                      f"torch.bfloat16 or torch.float16")
-        if self.gradient_dtype not in (torch.float32, self.compute_dtype):
-            raise TierstoreValueError(f"OffloadConfig(gradient_dtype={self.gradient_dtype}): use torch.float32 or the "
-                                      f"compute dtype ({self.compute_dtype})")
-        r = self.reuse_bytes
-        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
-            raise TierstoreValueError(f"OffloadConfig(reuse_bytes={r!r}): an integer >= 0 (0: off), or None "
-                                      f"(2 x sub_group_bytes)")
-        for name, least in (("prefetch_depth", 0), ("prefetch_bytes", 0), ("sub_group_bytes", 1), ("min_io_bytes", 0),
-                            ("pinned_bytes", 1 << 20), ("pipeline_depth", 1), ("loss_scale_window", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < least:
-                raise TierstoreValueError(f"OffloadConfig({name}={v!r}): an integer >= {least}")
-        gc = self.gradient_clipping
-        if gc is not None and (isinstance(gc, bool) or not isinstance(gc, int | float) or not gc >= 0):
-            raise TierstoreValueError(f"OffloadConfig(gradient_clipping={gc!r}): a number >= 0 (0 or None: off)")
-        h = self.hpz_partition_size
-        if h != "node" and (not isinstance(h, int) or isinstance(h, bool) or h < 1):
-            raise TierstoreValueError(f"OffloadConfig(hpz_partition_size={h!r}): an integer >= 1 (1: hpZ off) that "
-                                      f"divides the world size, or 'node'")
-        if self.clip_mode not in CLIP_MODES:
-            raise TierstoreValueError(f"OffloadConfig(clip_mode={self.clip_mode!r}): use one of {CLIP_MODES}")
-        if not isinstance(self.overlap_step, bool):
-            raise TierstoreValueError(f"OffloadConfig(overlap_step={self.overlap_step!r}): True or False")
-        if self.overlap_step and self.compute_dtype == torch.float16:
-            raise TierstoreValueError("OffloadConfig(overlap_step=True) with compute_dtype=torch.float16: the fp16 "
-                                      "loss scaler must see every gradient (overflow) before any sub-group is "
-                                      "stepped; use bfloat16, or overlap_step=False")
-        if self.overlap_step and self.gradient_clipping and self.clip_mode == "exact":
-            raise TierstoreValueError(f"OffloadConfig(overlap_step=True, gradient_clipping={self.gradient_clipping}): "
-                                      f"exact clipping needs the global norm before any sub-group is stepped; add "
-                                      f"clip_mode='previous_norm' (clip with the previous step's norm), or "
-                                      f"overlap_step=False")
-        if self.activation_offload not in (None, "host", "nvme"):
-            raise TierstoreValueError(f"OffloadConfig(activation_offload={self.activation_offload!r}): use None, "
-                                      "'host' or 'nvme'")
-        if self.activation_mode not in ("all", "checkpoint"):
-            raise TierstoreValueError(f"OffloadConfig(activation_mode={self.activation_mode!r}): use 'all' or "
-                                      "'checkpoint'")
-        if self.activation_offload == "nvme" and not self.nvme_paths:
-            raise TierstoreValueError("OffloadConfig(activation_offload='nvme') needs nvme_paths=['/path/on/nvme']")
-        c = self.activation_compress
-        if c is not None:
-            if self.activation_offload != "nvme":
-                raise TierstoreValueError(f"OffloadConfig(activation_compress={c!r}) applies to "
-                                          f"activation_offload='nvme'; leave it None otherwise")
-            if c != "bf16":
-                from ..quant import schemes
-                try:
-                    schemes.get(c)
-                except TierstoreValueError as e:
-                    raise TierstoreValueError(f"OffloadConfig(activation_compress={c!r}): None, 'bf16' or a "
-                                              f"quantization scheme; {e}") from None
-        if self.io_tuning is not None:
-            from ..io import Tuning
-            Tuning.coerce(self.io_tuning)  # a bad file is refused here, naming it
-        for name in ("initial_loss_scale", "min_loss_scale"):
-            validate.number("OffloadConfig", name, getattr(self, name), positive=True)
-        for name in ("quantized_weights", "quantized_gradients"):
-            validate.flag("OffloadConfig", name, getattr(self, name))
-        validate.integer("OffloadConfig", "intra_node_size", self.intra_node_size, 1, none_ok=True,
-                         meaning=" (ranks per node; None: all)")
-        validate.integer("OffloadConfig", "activation_budget_bytes", self.activation_budget_bytes, 0, none_ok=True,
-                         meaning=" (bytes; None: no limit)")
-        if not isinstance(self.extra, dict):
-            raise TierstoreValueError(f"OffloadConfig(extra={self.extra!r}): a dict")
+        validate.offload_config(self)  # every field checked, nvme_paths made a list
 
     @classmethod
     def coerce(cls, config: Any, argument: str = "config") -> OffloadConfig:
