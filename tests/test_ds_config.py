@@ -242,3 +242,20 @@ def test_setup_trains_like_torch_with_clipping_and_schedule(tmp_path):
         assert max_rel(opt.full_state_dict(), ref_m) <= 1e-6
     finally:
         opt.close()
+
+
+def test_every_mapped_key_lands_on_an_offload_config_field():
+    """The mapping's tables (ds_mapping.py) name only fields OffloadConfig has, and OffloadConfig.from_deepspeed
+    gives the same config as tierstore.zero.from_deepspeed."""
+    import dataclasses
+
+    from tierstore.zero import ds_mapping
+    names = {f.name for f in dataclasses.fields(OffloadConfig)}
+    for _key, fld, _conv, auto in ds_mapping.ZERO_KEYS + ds_mapping.FP16_KEYS + ds_mapping.TOP_KEYS:
+        assert set(fld if isinstance(fld, tuple) else (fld,)) <= names, fld
+        assert auto is None or auto is ds_mapping.AUTO_DEFAULT or auto in names, auto
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = from_deepspeed(INFINITY, world_size=1).config
+        alone = OffloadConfig.from_deepspeed(INFINITY)
+    assert whole.replace(extra={}) == alone.replace(extra={})

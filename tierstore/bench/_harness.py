@@ -90,7 +90,7 @@ def _gpt_module():
     try:
         from . import gpt  # inside the tierstore package
     except ImportError:  # loaded by path (the DeepSpeed worker): gpt.py sits beside this file
-        import gpt
+        import gpt  # type: ignore[no-redef]  # the same module, found by path instead
     return gpt
 
 

@@ -179,6 +179,7 @@ class _Pending:
         if self._finish is not None:
             self._out = self._finish()
             self._finish = None
+        assert self._out is not None  # set by the first wait()
         return self._out
 
 

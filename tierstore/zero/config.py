@@ -1,15 +1,27 @@
 """OffloadConfig: where every ZeRO-3 state lives, how it is encoded, and how the step is pipelined.
 
-``OffloadConfig.from_deepspeed(ds_config)`` maps a DeepSpeed config (``zero_optimization``, ``offload_param``,
-``offload_optimizer``, ``fp16``/``bf16``, ``gradient_clipping``) so an existing setup migrates; keys it does not
-map are listed in one warning. ``map_deepspeed`` is the mapping itself, shared with ``tierstore.zero.from_deepspeed``
-(ds_config.py), which also builds the optimizer and scheduler and checks the batch keys.
+Each field is declared with ``knob(default, group=..., doc=..., bound=...)``: a dataclass field whose metadata
+holds its group (GROUPS: where things live, precision, the pipeline's memory, overlap, collectives,
+activations, I/O), a one-line doc, and, for a knob that sets a memory bound, the key of that bound in
+MEMORY_BOUNDS. Users still construct and read the fields flat (``OffloadConfig(params="host")``,
+``config.params``); the groups are for reading: ``config.describe()``, and the reference in docs/zero.md,
+generated from the same metadata (config_docs.py; ``python -m tierstore.zero.config_docs --write`` rewrites
+it). A first run needs only the tiers and nvme_paths: every other default is the one to start from. The
+checks of the fields are validate.py's; the DeepSpeed config mapping behind ``from_deepspeed`` is
+ds_mapping.py's.
+
+[Note: memory bounds]
+The memory ZeRO-3 holds beyond the model's own compute is bounded by a few knobs, and most bound several
+mechanisms at once: ``reuse_bytes`` bounds three kinds of values kept for a next use, and ``pipeline_depth x
+sub_group_bytes`` four queues and pools of the step. Each bound is stated once, in MEMORY_BOUNDS below: what
+sets it, and every mechanism it covers (each with its own Note); a field's metadata names the bound it sets
+instead of repeating it, and the list in docs/zero.md is generated from this one. A mechanism that adds
+a new use of a knob's memory adds a line to its bound here. ``OffloadConfig.describe()`` shows what each
+bound comes to for a config.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -19,190 +31,199 @@ from typing import Any
 import torch
 
 from ..errors import TierstoreTypeError, TierstoreValueError
-from ..tiers import TIERS, tier_info
+from ..tiers import tier_info
 from . import validate
 from .validate import known_fields
 
-log = logging.getLogger("tierstore.zero")
+# group -> its title, in the order describe() and the reference table show them
+GROUPS = {
+    "tiers": "Where things live",
+    "precision": "Precision",
+    "memory": "The pipeline's memory",
+    "overlap": "Overlap",
+    "collectives": "Collectives (world size > 1)",
+    "activations": "Activations",
+    "io": "I/O",
+    "record": "Record",
+}
 
-STATE_CODECS = (None, "dynamic8")
-COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-CLIP_MODES = ("exact", "previous_norm")
+
+@dataclass(frozen=True)
+class MemoryBound:
+    """One bound on the memory ZeRO-3 holds: the knobs that set it (as a formula), what it covers."""
+    sets: str  # the knobs, as a formula (`code`)
+    what: str  # what is bounded, in a phrase
+    covers: tuple[str, ...]  # each mechanism the bound covers, citing its Note
+
+
+# every bound, once ([Note: memory bounds]); a field's "bound" metadata is a key of this
+MEMORY_BOUNDS: dict[str, MemoryBound] = {
+    "reuse": MemoryBound(
+        "reuse_bytes (None: 2 x sub_group_bytes)",
+        "values kept for their next use instead of read again",
+        ("the buckets the forward's last module calls use, kept (not released) for the start of backward "
+         "([Note: kept at the turn])",
+         "at world size 1, with fp32 compute and the parameters on the states' tier, nvme, the masters "
+         "backward read, kept for the step ([Note: masters at hand]); with overlap_step, plus the step "
+         "queue's bytes (the \"step\" bound)",
+         "with fp32 compute and the parameters on the states' tier, nvme, the masters the step wrote, kept "
+         "for the next forward's first buckets, also within prefetch_bytes "
+         "([Note: stepped masters kept for the forward])")),
+    "step": MemoryBound(
+        "pipeline_depth x sub_group_bytes",
+        "the step pipeline's sub-groups in flight",
+        ("the step's sub-groups loaded ahead of the one stepped, at most max(1, (pipeline_depth - 1) // 2) x "
+         "sub_group_bytes, and those stepped and not yet saved ([Note: step pipeline])",
+         "2 x: buffers lent to writes (the step's writer, backward's gradient writes to nvme) before the "
+         "lender waits for the disk; at most 2 x pipeline_depth free buffers kept per shape "
+         "([Note: lent buffers are bounded])",
+         "with overlap_step, 1 x: the sub-groups backward queued for the step and not yet saved, before "
+         "backward waits ([Note: the stream's queue is in bytes])",
+         "with overlap_step, 1 x on top of reuse_bytes: the masters at hand kept while their sub-groups wait "
+         "in that queue ([Note: masters at hand])")),
+    "read_ahead": MemoryBound(
+        "prefetch_depth modules + prefetch_bytes",
+        "the parameters read (and gathered) ahead of their use",
+        ("the buckets of the next prefetch_depth modules, prepared ahead: at world size > 1 all-gathered "
+         "ahead, their shards read 2 x prefetch_depth modules ahead ([Note: prefetch stages])",
+         "beyond those modules, the shards read ahead and not yet used: at most prefetch_bytes per rank "
+         "([Note: reading ahead by bytes])",
+         "prefetch_bytes also caps the stepped masters kept for the forward (the \"reuse\" bound)")),
+    "pinned": MemoryBound(
+        "pinned_bytes",
+        "page-locked host memory",
+        ("the staging the store's nvme tier streams reads and writes through (the optimizer's store and "
+         "zero.Init's)",)),
+    "activations": MemoryBound(
+        "activation_budget_bytes (None: no limit)",
+        "saved activations held by the store",
+        ("the activations offloaded and not yet read back; past it tensors stay in memory (docs/activations.md)",)),
+}
+
+
+def knob(default: Any = dataclasses.MISSING, *, group: str, doc: str, bound: str | None = None,
+         shown: str | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
+    """An OffloadConfig field with its metadata: `group` (a key of GROUPS), a one-line `doc`, the `bound` it sets
+    (a key of MEMORY_BOUNDS, for memory knobs) and how its default is `shown` (default: from its value)."""
+    assert group in GROUPS and (bound is None or bound in MEMORY_BOUNDS), (group, bound)
+    return field(default=default, default_factory=default_factory,
+                 metadata={"group": group, "doc": doc, "bound": bound, "shown": shown})
 
 
 @known_fields  # an unknown field is a TierstoreTypeError naming it and the closest field
 @dataclass
 class OffloadConfig:
-    """Where ZeRO-3 keeps things, per rank.
+    """Where ZeRO-3 keeps things, per rank, and how its pipeline runs. Each field's doc is in its metadata
+    (``dataclasses.fields(OffloadConfig)[i].metadata["doc"]``), shown grouped by ``describe()`` and in
+    docs/zero.md's table; the memory bounds the knobs set are [Note: memory bounds]. A first run needs only
+    ``params``, ``optimizer_states``, ``gradients`` and ``nvme_paths``."""
 
-    params: tier of this rank's parameter shards in the compute dtype (gathered before use).
-    optimizer_states: tier of the fp32 master shards and the optimizer's states.
-    gradients: tier of this rank's gradient partition (accumulated between steps; fp32, see gradient_dtype).
-    gradient_dtype: dtype the gradient partitions are stored in on a persistent (nvme) tier: torch.float32
-        (default: exact accumulation) or the compute dtype (bfloat16 / float16: half the gradient bytes to and
-        from the disk; the accumulated partition is rounded to it each time it is written). Masters and states
-        stay fp32; on memory tiers the partitions stay fp32. See [Note: gradient dtype on nvme] in
-        grad_partitions.py.
-    nvme_paths: directories (one per drive) for the nvme tier; each rank uses ``<path>/rank<r>``. Needed when
-        any tier is 'nvme'; otherwise a temporary directory holds the store's (empty) files.
-    state_codec: None (fp32 states) or 'dynamic8' (exp_avg / exp_avg_sq in block-wise dynamic 8 bits when
-        stored on nvme, per tierstore.quant.states.StatePolicy).
-    quantized_weights: qwZ, an int8 all-gather of parameter shards (world > 1).
-    quantized_gradients: qgZ, an int4 all-to-all reduce-scatter of gradients (world > 1).
-    hpz_partition_size: hpZ, a secondary copy of the parameters partitioned over this many ranks (a node), so
-        backward's all-gathers stay inside it (zero/hpz.py, [Note: hpZ]); 1 (off), a divisor of the world
-        size, or 'node' (ranks per node from LOCAL_WORLD_SIZE, else from the ranks' host names).
-    compute_dtype: dtype of the gathered parameters the model computes with; masters stay fp32.
-    prefetch_depth: modules ahead of use whose buckets are prepared (traced prefetch; 0: off): shards read up
-        from the store and copied to the device 2 x depth modules ahead, all-gathers posted depth ahead
-        (world size > 1).
-    prefetch_bytes: beyond those modules, further modules' shards are read ahead while the shards read ahead
-        and not yet used add up to at most this (bytes, per rank; 0: depth modules only), several reads at
-        once: small layers (a few MiB each) otherwise leave the disk one request deep. See [Note: reading
-        ahead by bytes] in prefetch.py.
-    reuse_bytes: gathered parameters the end of forward keeps for the start of backward (bytes, per rank;
-        DeepSpeed's stage3_max_reuse_distance in spirit): the buckets the forward's last module calls use,
-        as many as fit in this, are not released and gathered (read) again -- backward needs them first.
-        The same budget bounds the masters backward read that the step takes ([Note: masters at hand]) and,
-        with fp32 masters shared with the parameters on nvme, the masters the step wrote that the next
-        forward takes instead of reading them, within prefetch_bytes too ([Note: stepped masters kept for
-        the forward]).
-        None (default): 2 x sub_group_bytes; 0: off. See [Note: kept at the turn] in hooks.py.
-    sub_group_bytes: bytes of one bucket (a sub-group of the step pipeline), all ranks together.
-    min_io_bytes: small parameters are packed until each rank's shard of a bucket reaches this (bytes).
-    pinned_bytes: page-locked staging budget the nvme tier streams through (bytes).
-    pipeline_depth: sub-groups in flight in the step (read i+1, step i, write i-1 is 3); with overlap_step,
-        backward also queues sub-groups for it up to pipeline_depth x sub_group_bytes ([Note: the stream's
-        queue is in bytes] in pipeline.py).
-    initial_loss_scale, loss_scale_window, min_loss_scale: fp16 dynamic loss scaling.
-    overlap_step: step each sub-group during backward, as soon as its gradient is final, on the step
-        pipeline's threads (at world size N once every rank's reduce-scatter of it is final; the backward of
-        the last micro-batch, i.e. outside ``opt.accumulating()``); ``opt.step()`` then finishes the step.
-        See [Note: overlapped step] in optimizer.py. Not with float16 (the loss scaler needs every gradient
-        before any step).
-    clip_mode: "exact" (clip_grad_norm_ after backward, applied by the next step(); refused once a backward
-        ran with overlap_step) or "previous_norm" (with overlap_step: each step clips with the
-        max_norm and the global norm the previous clip_grad_norm_ call gave; the first step is not clipped).
-    gradient_clipping: when set (> 0), step() clips the gradients to this global L2 norm, unless
-        clip_grad_norm_ was called since the last step (DeepSpeed's `gradient_clipping`). None or 0: off.
-    activation_offload: None, 'host' or 'nvme': the tensors the model's forward saves for backward go to that
-        tier (tierstore.ActivationOffload, attached to the ZeRO-3 hooks; docs/activations.md); 'nvme' uses
-        ``<nvme_path>/activations-rank<r>``. activation_mode: 'all' or 'checkpoint' (only the inputs
-        torch.utils.checkpoint keeps). activation_budget_bytes: the most bytes offloaded at once (None: no
-        limit). activation_compress: None (exact), 'bf16' or a quantization scheme ('int8'), nvme only.
-    io_tuning: path of a `tierstore tune DIR` recommendation for the store's I/O (see tierstore/io/tuning.py).
-    """
-
-    params: str = "device"
-    optimizer_states: str = "host"
-    gradients: str = "host"
-    nvme_paths: Sequence[str] | None = None
-    state_codec: str | None = None
-    quantized_weights: bool = False
-    quantized_gradients: bool = False
-    compute_dtype: torch.dtype = torch.float32
-    gradient_dtype: torch.dtype = torch.float32
-    prefetch_depth: int = 2
-    prefetch_bytes: int = 64 << 20  # bytes
-    reuse_bytes: int | None = None  # bytes; None: 2 x sub_group_bytes
-    sub_group_bytes: int = 64 << 20  # bytes
-    min_io_bytes: int = 1 << 20  # bytes
-    pinned_bytes: int = 64 << 20  # bytes
-    pipeline_depth: int = 3  # sub-groups
-    initial_loss_scale: float = 2.0 ** 16
-    loss_scale_window: int = 1000  # steps without overflow before the scale doubles
-    min_loss_scale: float = 1.0
-    intra_node_size: int | None = None  # qgZ: ranks per node (default: all)
-    gradient_clipping: float | None = None  # clip to this global L2 norm at each step unless clipped already
-    hpz_partition_size: int | str = 1  # hpZ: ranks per secondary partition (1: off; 'node': ranks per node)
-    overlap_step: bool = False
-    clip_mode: str = "exact"
-    activation_offload: str | None = None  # None, 'host' or 'nvme'
-    activation_mode: str = "all"  # 'all' or 'checkpoint'
-    activation_budget_bytes: int | None = None  # bytes
-    activation_compress: str | None = None
-    io_tuning: str | None = None
-    extra: dict = field(default_factory=dict)  # keys from_deepspeed could not map, kept for reference
+    # The order is the positional order: new fields go last.
+    params: str = knob(
+        "device", group="tiers",
+        doc="tier of this rank's parameter shards in the compute dtype (gathered before use): 'device', 'host' "
+            "or 'nvme'")
+    optimizer_states: str = knob(
+        "host", group="tiers", doc="tier of the fp32 master shards and the inner optimizer's states")
+    gradients: str = knob(
+        "host", group="tiers",
+        doc="tier of this rank's gradient partition (accumulated between steps; fp32, see gradient_dtype)")
+    nvme_paths: Sequence[str] | None = knob(
+        None, group="tiers",
+        doc="directories for the nvme tier, one per drive (a str / Path or a list of them); needed when a tier "
+            "is 'nvme'. Rank r uses `<path>/rank<r>` (zero.Init `init-rank<r>`, activations "
+            "`activations-rank<r>`), its own scratch: marked, started empty every run, and anything else at "
+            "that name is refused before anything is written ([Note: scratch directories are marked])")
+    state_codec: str | None = knob(
+        None, group="precision",
+        doc="'dynamic8': exp_avg / exp_avg_sq in block-wise dynamic 8 bits when stored on nvme "
+            "([Note: 8-bit states]); None: fp32 states")
+    quantized_weights: bool = knob(
+        False, group="collectives", doc="qwZ: parameter shards all-gathered in int8")
+    quantized_gradients: bool = knob(
+        False, group="collectives", doc="qgZ: gradients reduce-scattered by an int4 all-to-all")
+    compute_dtype: torch.dtype = knob(
+        torch.float32, group="precision",
+        doc="dtype of the gathered parameters the model computes with (float32, bfloat16, or float16 with "
+            "dynamic loss scaling); masters stay fp32")
+    gradient_dtype: torch.dtype = knob(
+        torch.float32, group="precision",
+        doc="dtype of the gradient partitions on a persistent (nvme) tier: float32 (exact accumulation) or the "
+            "compute dtype (half the gradient bytes to and from the disk; rounded to it each time it is "
+            "written, [Note: gradient dtype on nvme]); fp32 on memory tiers")
+    prefetch_depth: int = knob(
+        2, group="overlap", bound="read_ahead",
+        doc="modules ahead of use whose buckets are prepared: shards read 2 x depth modules ahead, all-gathers "
+            "posted depth ahead (world size > 1); 0: off ([Note: prefetch stages])")
+    prefetch_bytes: int = knob(
+        64 << 20, group="overlap", bound="read_ahead",
+        doc="beyond those modules, further shards are read ahead, several at once, while the ones read and not "
+            "yet used fit in this (bytes per rank): small layers keep the disk busy "
+            "([Note: reading ahead by bytes]); 0: by modules only")
+    reuse_bytes: int | None = knob(
+        None, group="memory", bound="reuse", shown="None (2 x sub_group_bytes)",
+        doc="gathered values kept where they are used next instead of read again (bytes per rank; DeepSpeed's "
+            "stage3_max_reuse_distance in spirit); 0: off")
+    sub_group_bytes: int = knob(
+        64 << 20, group="memory", bound="step",
+        doc="bytes of one bucket, all ranks together: the unit of the gathers, the reduce-scatters and the "
+            "step pipeline (a sub-group)")
+    min_io_bytes: int = knob(
+        1 << 20, group="io",
+        doc="small parameters are packed together until each rank's shard of a bucket reaches this (bytes)")
+    pinned_bytes: int = knob(
+        64 << 20, group="memory", bound="pinned",
+        doc="page-locked staging the nvme tier streams through (bytes; at least 1 MiB)")
+    pipeline_depth: int = knob(
+        3, group="memory", bound="step",
+        doc="sub-groups in flight in the step: read i+1, step i, write i-1 is 3 ([Note: step pipeline])")
+    initial_loss_scale: float = knob(
+        2.0 ** 16, group="precision", shown="2^16", doc="float16: the dynamic loss scale to start from")
+    loss_scale_window: int = knob(
+        1000, group="precision", doc="float16: steps without an overflow before the loss scale doubles")
+    min_loss_scale: float = knob(
+        1.0, group="precision", doc="float16: the loss scale never halves below this")
+    intra_node_size: int | None = knob(
+        None, group="collectives", doc="qgZ: ranks per node (None: all ranks)")
+    gradient_clipping: float | None = knob(
+        None, group="precision",
+        doc="clip the gradients to this global L2 norm at each step() unless clip_grad_norm_ was called since "
+            "the last one (DeepSpeed's gradient_clipping); None or 0: off")
+    hpz_partition_size: int | str = knob(
+        1, group="collectives",
+        doc="hpZ: a secondary copy of the parameters partitioned over this many ranks (a node), so backward's "
+            "all-gathers stay inside it; 1: off, a divisor of the world size, or 'node' ([Note: hpZ])")
+    overlap_step: bool = knob(
+        False, group="overlap",
+        doc="step each sub-group during backward as soon as its gradient is final (at world size N, once every "
+            "rank's reduce-scatter of it is), on the pipeline's threads; opt.step() finishes the step; "
+            "micro-batches that are not the last run inside `with opt.accumulating():` "
+            "([Note: overlapped step]). Not with float16")
+    clip_mode: str = knob(
+        "exact", group="overlap",
+        doc="'exact': clip_grad_norm_ after backward, applied by the next step() (refused after a backward that "
+            "ran with overlap_step); 'previous_norm': each step clips with the max_norm and global norm of the "
+            "clip_grad_norm_ call before it (the first step is not clipped) -- what overlap_step needs to clip")
+    activation_offload: str | None = knob(
+        None, group="activations",
+        doc="'host' or 'nvme': the tensors the forward saves for backward go to that tier "
+            "(tierstore.ActivationOffload, docs/activations.md); 'nvme' uses `<nvme_path>/activations-rank<r>`")
+    activation_mode: str = knob(
+        "all", group="activations",
+        doc="what is offloaded: 'all', or 'checkpoint' (only the inputs torch.utils.checkpoint keeps)")
+    activation_budget_bytes: int | None = knob(
+        None, group="activations", bound="activations", doc="the most bytes offloaded at once (None: no limit)")
+    activation_compress: str | None = knob(
+        None, group="activations",
+        doc="nvme only: None (exact), 'bf16', or a quantization scheme such as 'int8'")
+    io_tuning: str | None = knob(
+        None, group="io", doc="path of a `tierstore tune DIR` recommendation for the store's I/O (docs/io.md)")
+    extra: dict = knob(
+        group="record", default_factory=dict, shown="{}",
+        doc="what from_deepspeed could not map (`extra['ignored']`), kept for reference")
 
     def __post_init__(self) -> None:
-        for name in ("params", "optimizer_states", "gradients"):
-            v = getattr(self, name)
-            if v not in TIERS:
-                raise TierstoreValueError(f"OffloadConfig({name}={v!r}): use one of {TIERS}")
-        self.nvme_paths = validate.nvme_paths(self.nvme_paths)
-        if self.uses_nvme and not self.nvme_paths:
-            raise TierstoreValueError("OffloadConfig: a tier is 'nvme' but nvme_paths is empty; pass "
-                                      "nvme_paths=['/path/on/nvme'] (one directory per drive)")
-        if self.state_codec not in STATE_CODECS:
-            raise TierstoreValueError(f"OffloadConfig(state_codec={self.state_codec!r}): use None or 'dynamic8'")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise TierstoreValueError(f"OffloadConfig(compute_dtype={self.compute_dtype}): use torch.float32, "
-                                      f"torch.bfloat16 or torch.float16")
-        if self.gradient_dtype not in (torch.float32, self.compute_dtype):
-            raise TierstoreValueError(f"OffloadConfig(gradient_dtype={self.gradient_dtype}): use torch.float32 or the "
-                                      f"compute dtype ({self.compute_dtype})")
-        r = self.reuse_bytes
-        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
-            raise TierstoreValueError(f"OffloadConfig(reuse_bytes={r!r}): an integer >= 0 (0: off), or None "
-                                      f"(2 x sub_group_bytes)")
-        for name, least in (("prefetch_depth", 0), ("prefetch_bytes", 0), ("sub_group_bytes", 1), ("min_io_bytes", 0),
-                            ("pinned_bytes", 1 << 20), ("pipeline_depth", 1), ("loss_scale_window", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < least:
-                raise TierstoreValueError(f"OffloadConfig({name}={v!r}): an integer >= {least}")
-        gc = self.gradient_clipping
-        if gc is not None and (isinstance(gc, bool) or not isinstance(gc, int | float) or not gc >= 0):
-            raise TierstoreValueError(f"OffloadConfig(gradient_clipping={gc!r}): a number >= 0 (0 or None: off)")
-        h = self.hpz_partition_size
-        if h != "node" and (not isinstance(h, int) or isinstance(h, bool) or h < 1):
-            raise TierstoreValueError(f"OffloadConfig(hpz_partition_size={h!r}): an integer >= 1 (1: hpZ off) that "
-                                      f"divides the world size, or 'node'")
-        if self.clip_mode not in CLIP_MODES:
-            raise TierstoreValueError(f"OffloadConfig(clip_mode={self.clip_mode!r}): use one of {CLIP_MODES}")
-        if not isinstance(self.overlap_step, bool):
-            raise TierstoreValueError(f"OffloadConfig(overlap_step={self.overlap_step!r}): True or False")
-        if self.overlap_step and self.compute_dtype == torch.float16:
-            raise TierstoreValueError("OffloadConfig(overlap_step=True) with compute_dtype=torch.float16: the fp16 "
-                                      "loss scaler must see every gradient (overflow) before any sub-group is "
-                                      "stepped; use bfloat16, or overlap_step=False")
-        if self.overlap_step and self.gradient_clipping and self.clip_mode == "exact":
-            raise TierstoreValueError(f"OffloadConfig(overlap_step=True, gradient_clipping={self.gradient_clipping}): "
-                                      f"exact clipping needs the global norm before any sub-group is stepped; add "
-                                      f"clip_mode='previous_norm' (clip with the previous step's norm), or "
-                                      f"overlap_step=False")
-        if self.activation_offload not in (None, "host", "nvme"):
-            raise TierstoreValueError(f"OffloadConfig(activation_offload={self.activation_offload!r}): use None, "
-                                      "'host' or 'nvme'")
-        if self.activation_mode not in ("all", "checkpoint"):
-            raise TierstoreValueError(f"OffloadConfig(activation_mode={self.activation_mode!r}): use 'all' or "
-                                      "'checkpoint'")
-        if self.activation_offload == "nvme" and not self.nvme_paths:
-            raise TierstoreValueError("OffloadConfig(activation_offload='nvme') needs nvme_paths=['/path/on/nvme']")
-        c = self.activation_compress
-        if c is not None:
-            if self.activation_offload != "nvme":
-                raise TierstoreValueError(f"OffloadConfig(activation_compress={c!r}) applies to "
-                                          f"activation_offload='nvme'; leave it None otherwise")
-            if c != "bf16":
-                from ..quant import schemes
-                try:
-                    schemes.get(c)
-                except TierstoreValueError as e:
-                    raise TierstoreValueError(f"OffloadConfig(activation_compress={c!r}): None, 'bf16' or a "
-                                              f"quantization scheme; {e}") from None
-        if self.io_tuning is not None:
-            from ..io import Tuning
-            Tuning.coerce(self.io_tuning)  # a bad file is refused here, naming it
-        for name in ("initial_loss_scale", "min_loss_scale"):
-            validate.number("OffloadConfig", name, getattr(self, name), positive=True)
-        for name in ("quantized_weights", "quantized_gradients"):
-            validate.flag("OffloadConfig", name, getattr(self, name))
-        validate.integer("OffloadConfig", "intra_node_size", self.intra_node_size, 1, none_ok=True,
-                         meaning=" (ranks per node; None: all)")
-        validate.integer("OffloadConfig", "activation_budget_bytes", self.activation_budget_bytes, 0, none_ok=True,
-                         meaning=" (bytes; None: no limit)")
-        if not isinstance(self.extra, dict):
-            raise TierstoreValueError(f"OffloadConfig(extra={self.extra!r}): a dict")
+        validate.offload_config(self)  # every field checked, nvme_paths made a list
 
     @classmethod
     def coerce(cls, config: Any, argument: str = "config") -> OffloadConfig:
@@ -227,7 +248,7 @@ class OffloadConfig:
 
     @property
     def reuse_budget(self) -> int:
-        """reuse_bytes resolved: bytes the end of forward may keep for backward."""
+        """reuse_bytes resolved: the "reuse" bound in bytes ([Note: memory bounds])."""
         return 2 * self.sub_group_bytes if self.reuse_bytes is None else self.reuse_bytes
 
     @property
@@ -246,6 +267,23 @@ class OffloadConfig:
         d["nvme_paths"] = list(self.nvme_paths) if self.nvme_paths else None
         return d
 
+    def describe(self) -> str:
+        """The fields by group, one line a group (a value not the default is marked *), then what the memory
+        bounds come to ([Note: memory bounds])."""
+        lines = ["OffloadConfig"]
+        for group, title in GROUPS.items():
+            items = [f"{f.name}={show(f.name, getattr(self, f.name))}{'' if is_default(f, self) else '*'}"
+                     for f in dataclasses.fields(self) if f.metadata["group"] == group]
+            lines.append(f"  {title}: {', '.join(items)}")
+        mib = lambda n: show("_bytes", n)  # noqa: E731
+        step = self.pipeline_depth * self.sub_group_bytes
+        limit = self.activation_budget_bytes
+        lines.append(f"  Memory bounds: reuse {mib(self.reuse_budget)}; step {mib(step)} (lent buffers "
+                     f"{mib(2 * step)}); read_ahead {self.prefetch_depth} modules + {mib(self.prefetch_bytes)}; "
+                     f"pinned {mib(self.pinned_bytes)}; activations "
+                     f"{'no limit' if limit is None else mib(limit)}")
+        return "\n".join(lines) + "\n"
+
     @classmethod
     def from_deepspeed(cls, ds_config: Mapping[str, Any] | str | os.PathLike, **overrides) -> OffloadConfig:
         """The OffloadConfig of a DeepSpeed config (a dict or a JSON file's path); `overrides` (OffloadConfig
@@ -255,6 +293,7 @@ class OffloadConfig:
         This reads only what OffloadConfig holds: `tierstore.zero.from_deepspeed(ds_config, lr=..., ...)` also
         builds the config's optimizer and scheduler and checks its batch sizes (docs/zero.md). Here the
         optimizer, scheduler and batch keys are named in the warning as not built."""
+        from .ds_mapping import map_deepspeed
         m = map_deepspeed(ds_config, overrides)
         names = m.ignored + [f"{k} (not built here: tierstore.zero.from_deepspeed builds it)" for k in m.rest]
         if names:
@@ -263,238 +302,17 @@ class OffloadConfig:
         return m.config
 
 
-# -- DeepSpeed configs ------------------------------------------------------------------------------------
-# [Note: DeepSpeed "auto"] HF's DeepSpeed templates leave values as "auto" for the Trainer to fill from its
-# arguments. Each mapped key says what its "auto" means here: AUTO_DEFAULT keeps tierstore's own default (the
-# key only tunes DeepSpeed's buffers), a string names the from_deepspeed argument / OffloadConfig field that
-# resolves it; without one the key is refused, named, with that argument in the message -- never parsed as
-# a number ("invalid literal for int()").
-AUTO_DEFAULT = object()
+def show(name: str, value: Any) -> str:
+    """A value of field `name` as describe() and the reference show it: a dtype without "torch.", a byte count
+    (a field named *_bytes) of whole MiB in MiB, anything else as repr()."""
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if name.endswith("_bytes") and isinstance(value, int) and value and value % (1 << 20) == 0:
+        return f"{value >> 20} MiB"
+    return repr(value)
 
 
-def _conv(what: str, fn):
-    """A converter named by what it expects (the name goes into the error message)."""
-    fn.__name__ = what
-    return fn
-
-
-def _to_int(v):
-    if isinstance(v, bool) or not isinstance(v, int | float | str) or float(v) != int(float(v)):
-        raise ValueError
-    return int(float(v))
-
-
-def _to_float(v):
-    if isinstance(v, bool) or not isinstance(v, int | float | str):
-        raise ValueError
-    return float(v)
-
-
-def _to_flag(v):
-    if not isinstance(v, bool):
-        raise ValueError
-    return v
-
-
-_int = _conv("an integer", _to_int)
-_float = _conv("a number", _to_float)
-_flag = _conv("true or false", _to_flag)
-
-# zero_optimization.<key> -> OffloadConfig field: (key, field, convert, what "auto" means). One row a key; a row
-# whose field is a tuple of fields converts to a tuple of their values.
-ZERO_KEYS: list[tuple[str, str | tuple[str, ...], Any, Any]] = [
-    ("sub_group_size", "sub_group_bytes", _conv("an integer", lambda v: _int(v) * 4), AUTO_DEFAULT),  # fp32 el.
-    # elements read ahead -> as many fp32 bytes read ahead beyond the next modules ([Note: reading ahead by bytes]
-    # in prefetch.py); 0 turns prefetching off
-    ("stage3_prefetch_bucket_size", ("prefetch_depth", "prefetch_bytes"),
-     _conv("a number", lambda v: (2, int(_float(v)) * 4) if _float(v) else (0, 0)), AUTO_DEFAULT),
-    ("zero_quantized_weights", "quantized_weights", _flag, None),
-    ("zero_quantized_gradients", "quantized_gradients", _flag, None),
-    ("zero_hpz_partition_size", "hpz_partition_size", _int, None),  # hpZ ([Note: hpZ] in hpz.py)
-]
-# fp16.<key> -> OffloadConfig field (read when fp16 is enabled)
-FP16_KEYS: list[tuple[str, str | tuple[str, ...], Any, Any]] = [
-    ("initial_scale_power", "initial_loss_scale", _conv("an integer", lambda v: 2.0 ** _int(v)), None),
-    ("loss_scale_window", "loss_scale_window", _int, None),
-    ("min_loss_scale", "min_loss_scale", _float, None),
-]
-# top-level key -> OffloadConfig field
-TOP_KEYS: list[tuple[str, str | tuple[str, ...], Any, Any]] = [
-    ("gradient_clipping", "gradient_clipping", _float, "gradient_clipping"),
-]
-# top-level keys tierstore.zero.from_deepspeed reads (ds_config.py); OffloadConfig.from_deepspeed names them
-BUILT_ELSEWHERE = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
-                   "gradient_accumulation_steps")
-# why a key commonly found in DeepSpeed configs is ignored (shown in the warning)
-WHY_IGNORED = {
-    "aio": "the store sizes and queues its own requests",
-    "zero_optimization.overlap_comm": "tierstore always overlaps",
-    "zero_optimization.contiguous_gradients": "gradient partitions are contiguous",
-    "zero_optimization.reduce_bucket_size": "reduce-scatters go by bucket, sub_group_bytes",
-    "zero_optimization.stage3_param_persistence_threshold": "small parameters are packed, min_io_bytes",
-    "zero_optimization.stage3_max_live_parameters": "releases follow the forward trace",
-    "zero_optimization.stage3_max_reuse_distance": "releases follow the forward trace; OffloadConfig.reuse_bytes "
-                                                   "keeps the forward's last buckets for backward",
-}
-_OFFLOAD_DEVICES = {"none": None, None: None, "cpu": "host", "nvme": "nvme"}
-
-
-def load_deepspeed(ds_config) -> dict:
-    """The config dict: `ds_config` itself, or the JSON file it names."""
-    if isinstance(ds_config, str | os.PathLike):
-        try:
-            with open(ds_config) as f:
-                ds_config = json.load(f)
-        except OSError as e:
-            raise TierstoreValueError(f"cannot read the DeepSpeed config {os.fspath(ds_config)!r}: {e}") from e
-        except RecursionError:
-            raise TierstoreValueError(f"the DeepSpeed config {os.fspath(ds_config)!r} is nested too deeply to be "
-                                      "a DeepSpeed config (its sections are a few levels deep)") from None
-        except json.JSONDecodeError as e:
-            raise TierstoreValueError(f"the DeepSpeed config {os.fspath(ds_config)!r} is not valid JSON: {e}") \
-                from e
-    if not isinstance(ds_config, Mapping):
-        raise TierstoreValueError(f"from_deepspeed(ds_config=...) takes the DeepSpeed config dict or its JSON "
-                                  f"file's path; got {type(ds_config).__name__}")
-    return dict(ds_config)
-
-
-def section(ds: Mapping, key: str, where: str = "") -> dict:
-    v = ds.get(key)
-    if v is None:
-        return {}
-    if not isinstance(v, Mapping):
-        raise TierstoreValueError(f"DeepSpeed config: {where}{key} must be an object ({{...}}); got {v!r}")
-    return dict(v)
-
-
-def convert(path: str, value, conv, auto, resolved: Mapping[str, Any], hint: str = ""):
-    """`value` of key `path` through `conv`; "auto" resolved per [Note: DeepSpeed "auto"]. Returns
-    AUTO_DEFAULT when "auto" keeps the default."""
-    if value == "auto":
-        if auto is AUTO_DEFAULT:
-            return AUTO_DEFAULT
-        if isinstance(auto, str) and resolved.get(auto) is not None:
-            return resolved[auto]
-        how = f"pass {auto}=... to from_deepspeed" if isinstance(auto, str) else "set a value in the config"
-        raise TierstoreValueError(f'DeepSpeed config: {path} is "auto", which only HF Trainer fills in; {how}{hint}')
-    try:
-        return conv(value)
-    except (TypeError, ValueError, OverflowError):
-        raise TierstoreValueError(f"DeepSpeed config: {path}={value!r}: expected {conv.__name__}") from None
-
-
-def _rows(sec: dict, prefix: str, rows, kw: dict, resolved: Mapping[str, Any]) -> None:
-    """Pop each row's key from `sec` into kw[field] (or each of its fields)."""
-    for key, fld, conv, auto in rows:
-        if key in sec:
-            v = convert(prefix + key, sec.pop(key), conv, auto, resolved)
-            if v is AUTO_DEFAULT:
-                continue
-            if isinstance(fld, tuple):
-                kw.update(zip(fld, v))
-            else:
-                kw[fld] = v
-
-
-@dataclass
-class MappedDeepSpeed:
-    """What map_deepspeed read: the OffloadConfig, the keys ignored, the top-level sections left to build."""
-    config: OffloadConfig
-    ignored: list[str]
-    rest: dict[str, Any]
-
-
-def map_deepspeed(ds_config, overrides: Mapping[str, Any]) -> MappedDeepSpeed:
-    """Map the parts of a DeepSpeed config OffloadConfig holds; `overrides` (fields) win and resolve "auto".
-    Raises TierstoreValueError naming the key for a wrong value or an unresolved "auto"."""
-    ds = load_deepspeed(ds_config)
-    ignored: list[str] = []
-    kw: dict[str, Any] = {}
-    zo = section(ds, "zero_optimization")
-    stage = zo.pop("stage", 3)
-    if stage != 3:
-        raise TierstoreValueError(f"zero_optimization.stage={stage!r}: tierstore implements ZeRO stage 3; "
-                                  f"set it to 3")
-    paths: list[str] = []
-    for sec_name, fld in (("offload_param", "params"), ("offload_optimizer", "optimizer_states")):
-        sec = section(zo, sec_name, "zero_optimization.")
-        zo.pop(sec_name, None)
-        dev = sec.pop("device", "none")
-        if dev not in _OFFLOAD_DEVICES:
-            raise TierstoreValueError(f"zero_optimization.{sec_name}.device={dev!r}: use 'none', 'cpu' or 'nvme'")
-        p = sec.pop("nvme_path", None)
-        if dev == "nvme":
-            if not p:
-                raise TierstoreValueError(f"zero_optimization.{sec_name}.device is 'nvme' but "
-                                          f"{sec_name}.nvme_path is missing: set it to a directory on the drive")
-            if not isinstance(p, str):
-                raise TierstoreValueError(f"zero_optimization.{sec_name}.nvme_path={p!r}: a directory path (a string)")
-            paths.append(p)
-        sec.pop("pin_memory", None)  # the nvme tier always stages through pinned memory
-        ignored += [f"zero_optimization.{sec_name}.{k}" for k in sec]
-        kw[fld] = _OFFLOAD_DEVICES[dev] or "device"
-    kw["gradients"] = "device" if kw["optimizer_states"] == "device" else "host"
-    if paths:
-        kw["nvme_paths"] = list(dict.fromkeys(paths))
-    resolved = dict(overrides)
-    _rows(zo, "zero_optimization.", ZERO_KEYS, kw, resolved)
-    ignored += [f"zero_optimization.{k}" for k in zo]
-    fp16, bf16 = section(ds, "fp16"), section(ds, "bf16") or section(ds, "bfloat16")
-    dtype_hint = (" (torch.float16, torch.bfloat16 or torch.float32: what TrainingArguments' --fp16/--bf16 "
-                  "would choose)")
-    fp16_on = convert("fp16.enabled", fp16.pop("enabled", False), _flag, "compute_dtype", {}, dtype_hint) \
-        if "compute_dtype" not in overrides else overrides["compute_dtype"] == torch.float16
-    bf16_on = convert("bf16.enabled", bf16.pop("enabled", False), _flag, "compute_dtype", {}, dtype_hint) \
-        if "compute_dtype" not in overrides else overrides["compute_dtype"] == torch.bfloat16
-    fp16.pop("enabled", None)
-    bf16.pop("enabled", None)
-    if fp16_on and bf16_on:
-        raise TierstoreValueError("DeepSpeed config: fp16.enabled and bf16.enabled are both true; enable one")
-    if fp16_on:
-        kw["compute_dtype"] = torch.float16
-        _rows(fp16, "fp16.", FP16_KEYS, kw, resolved)
-    elif bf16_on:
-        kw["compute_dtype"] = torch.bfloat16
-    if fp16_on:  # fp16's other keys matter only when it is on
-        ignored += [f"fp16.{k}" for k in fp16]
-    ignored += [f"bf16.{k}" for k in bf16]
-    ignored += [f"aio.{k}" for k in section(ds, "aio")]
-    _rows(ds, "", TOP_KEYS, kw, resolved)
-    ignored += _map_activation_checkpointing(section(ds, "activation_checkpointing"), kw)
-    rest = {k: ds.pop(k) for k in BUILT_ELSEWHERE if k in ds}
-    for k in ds:
-        if k not in ("zero_optimization", "fp16", "bf16", "bfloat16", "aio", "activation_checkpointing"):
-            ignored.append(k)
-    ignored = [f"{k} ({WHY_IGNORED.get(k) or WHY_IGNORED[k.split('.')[0]]})"
-               if k in WHY_IGNORED or k.split(".")[0] in WHY_IGNORED else k for k in ignored]
-    kw.update(overrides)
-    kw["extra"] = {"ignored": list(ignored)}
-    return MappedDeepSpeed(OffloadConfig(**kw), ignored, rest)
-
-
-# What stands in for DeepSpeed's activation_checkpointing keys that need no mapping (named in the warning).
-_ACTIVATION_NOTES = {
-    "partition_activations": "tierstore has no model parallelism to partition over; activation_offload frees "
-                             "the memory instead",
-    "contiguous_memory_optimization": "each offloaded tensor is one contiguous extent of the store",
-    "number_checkpoints": "the store needs no preallocated checkpoint buffers",
-    "synchronize_checkpoint_boundary": "nothing to synchronize: reads and writes are waited for where used",
-    "profile": "see ActivationOffload.stats()",
-}
-
-
-def _map_activation_checkpointing(section, kw: dict) -> list[str]:
-    """DeepSpeed's ``activation_checkpointing`` -> kw; returns the keys it notes as not mapped."""
-    sec = dict(section or {})
-    if sec.pop("cpu_checkpointing", False):
-        kw["activation_offload"] = "host"
-        kw["activation_mode"] = "checkpoint"
-    noted = []
-    for k, v in sec.items():
-        note = _ACTIVATION_NOTES.get(k)
-        if note is None:
-            noted.append(f"activation_checkpointing.{k}")
-        elif v:
-            noted.append(f"activation_checkpointing.{k} ({note})")
-    return noted
+def is_default(f: dataclasses.Field, config: OffloadConfig) -> bool:
+    """Whether `config`'s field `f` holds its default."""
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return bool(getattr(config, f.name) == default)

@@ -2,7 +2,7 @@
 
 ``tierstore.zero.from_deepspeed(ds_config, lr=..., micro_batch_size=..., ...)`` returns a ``DeepSpeedSetup``:
 
-- ``config``: the OffloadConfig (config.py's ``map_deepspeed``; ``gradient_clipping`` becomes the field the
+- ``config``: the OffloadConfig (ds_mapping.py's ``map_deepspeed``; ``gradient_clipping`` becomes the field the
   optimizer's step applies);
 - ``build_optimizer(model)``: a Zero3Optimizer over the config's ``optimizer`` (Adam / AdamW -> torch.optim.AdamW
   or Adam as DeepSpeed's ``adam_w_mode`` says, SGD, Adagrad);
@@ -11,7 +11,7 @@
 - ``batch``: train_batch_size = micro x accumulation x world, checked, the missing one derived;
 - ``ignored``: every key not used, also named in the one warning from_deepspeed gives.
 
-"auto" values ([Note: DeepSpeed "auto"] in config.py) are resolved from the arguments, the way HF Trainer fills
+"auto" values ([Note: DeepSpeed "auto"] in ds_mapping.py) are resolved from the arguments, the way HF Trainer fills
 them from TrainingArguments, or refused with the key and the argument to pass.
 """
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch
 
 from ..errors import TierstoreValueError
 from . import _dist
-from .config import OffloadConfig, convert, map_deepspeed, section
+from .config import OffloadConfig
+from .ds_mapping import convert, map_deepspeed, section
 
 # DeepSpeed optimizer "type" (lower case) -> the torch class (None: decided by adam_w_mode)
 OPTIMIZERS: dict[str, type | None] = {

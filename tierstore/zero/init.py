@@ -265,7 +265,7 @@ class Init:
             orig = torch.nn.Module.__dict__.get("__init_subclass__")
             self._orig_init_subclass = orig
 
-            def __init_subclass__(cls, **kw):  # classes defined inside the context
+            def __init_subclass__(cls: type[torch.nn.Module], **kw):  # classes defined inside the context
                 super(torch.nn.Module, cls).__init_subclass__(**kw)
                 if init_self._inside:
                     init_self._patch(cls)
@@ -607,7 +607,6 @@ def _guard_unclaimed(module: torch.nn.Module) -> None:
     """A forward pre-hook that refuses to run `module` while a parameter built under Init in it was taken by
     no Zero3Optimizer (its .data is empty and its value is only this rank's slice); removed at the first
     forward where all were taken. See [Note: streaming Init at world size N]."""
-    handle = None
 
     def check(mod, _args):
         left = [n for n, p in mod.named_parameters() if hasattr(p, "_tierstore_init")]

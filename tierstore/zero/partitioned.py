@@ -22,6 +22,7 @@ of torch's ``Module._save_to_state_dict`` (the state-dict hooks replace what it 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -38,7 +39,7 @@ class PartitionedParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        first = args[0] if args else None
+        first: Any = args[0] if args else None  # a PartitionedParameter whenever shape is set below
         shape = getattr(first, _SHAPE, None) if isinstance(first, PartitionedParameter) else None
         if shape is not None:
             meta = _META.get(func)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..errors import TierstoreTypeError, TierstoreValueError
+from ..tiers import TIERS
 
 T = TypeVar("T")
 
@@ -103,6 +104,94 @@ def number(owner: str, name: str, v: Any, *, positive: bool = False, none_ok: bo
 def flag(owner: str, name: str, v: Any) -> None:
     if not isinstance(v, bool):
         raise TierstoreValueError(f"{owner}({name}={v!r}): True or False")
+
+
+# -- OffloadConfig ------------------------------------------------------------------------------------------
+STATE_CODECS = (None, "dynamic8")
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CLIP_MODES = ("exact", "previous_norm")
+
+
+def offload_config(config: Any) -> None:
+    """Check an OffloadConfig's fields (its __post_init__), normalizing nvme_paths to a list."""
+    for name in ("params", "optimizer_states", "gradients"):
+        v = getattr(config, name)
+        if v not in TIERS:
+            raise TierstoreValueError(f"OffloadConfig({name}={v!r}): use one of {TIERS}")
+    config.nvme_paths = nvme_paths(config.nvme_paths)
+    if config.uses_nvme and not config.nvme_paths:
+        raise TierstoreValueError("OffloadConfig: a tier is 'nvme' but nvme_paths is empty; pass "
+                                  "nvme_paths=['/path/on/nvme'] (one directory per drive)")
+    if config.state_codec not in STATE_CODECS:
+        raise TierstoreValueError(f"OffloadConfig(state_codec={config.state_codec!r}): use None or 'dynamic8'")
+    if config.compute_dtype not in COMPUTE_DTYPES:
+        raise TierstoreValueError(f"OffloadConfig(compute_dtype={config.compute_dtype}): use torch.float32, "
+                                  f"torch.bfloat16 or torch.float16")
+    if config.gradient_dtype not in (torch.float32, config.compute_dtype):
+        raise TierstoreValueError(f"OffloadConfig(gradient_dtype={config.gradient_dtype}): use torch.float32 or the "
+                                  f"compute dtype ({config.compute_dtype})")
+    r = config.reuse_bytes
+    if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
+        raise TierstoreValueError(f"OffloadConfig(reuse_bytes={r!r}): an integer >= 0 (0: off), or None "
+                                  f"(2 x sub_group_bytes)")
+    for name, least in (("prefetch_depth", 0), ("prefetch_bytes", 0), ("sub_group_bytes", 1), ("min_io_bytes", 0),
+                        ("pinned_bytes", 1 << 20), ("pipeline_depth", 1), ("loss_scale_window", 1)):
+        v = getattr(config, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise TierstoreValueError(f"OffloadConfig({name}={v!r}): an integer >= {least}")
+    gc = config.gradient_clipping
+    if gc is not None and (isinstance(gc, bool) or not isinstance(gc, int | float) or not gc >= 0):
+        raise TierstoreValueError(f"OffloadConfig(gradient_clipping={gc!r}): a number >= 0 (0 or None: off)")
+    h = config.hpz_partition_size
+    if h != "node" and (not isinstance(h, int) or isinstance(h, bool) or h < 1):
+        raise TierstoreValueError(f"OffloadConfig(hpz_partition_size={h!r}): an integer >= 1 (1: hpZ off) that "
+                                  f"divides the world size, or 'node'")
+    if config.clip_mode not in CLIP_MODES:
+        raise TierstoreValueError(f"OffloadConfig(clip_mode={config.clip_mode!r}): use one of {CLIP_MODES}")
+    if not isinstance(config.overlap_step, bool):
+        raise TierstoreValueError(f"OffloadConfig(overlap_step={config.overlap_step!r}): True or False")
+    if config.overlap_step and config.compute_dtype == torch.float16:
+        raise TierstoreValueError("OffloadConfig(overlap_step=True) with compute_dtype=torch.float16: the fp16 "
+                                  "loss scaler must see every gradient (overflow) before any sub-group is "
+                                  "stepped; use bfloat16, or overlap_step=False")
+    if config.overlap_step and config.gradient_clipping and config.clip_mode == "exact":
+        raise TierstoreValueError(f"OffloadConfig(overlap_step=True, gradient_clipping={config.gradient_clipping}): "
+                                  f"exact clipping needs the global norm before any sub-group is stepped; add "
+                                  f"clip_mode='previous_norm' (clip with the previous step's norm), or "
+                                  f"overlap_step=False")
+    if config.activation_offload not in (None, "host", "nvme"):
+        raise TierstoreValueError(f"OffloadConfig(activation_offload={config.activation_offload!r}): use None, "
+                                  "'host' or 'nvme'")
+    if config.activation_mode not in ("all", "checkpoint"):
+        raise TierstoreValueError(f"OffloadConfig(activation_mode={config.activation_mode!r}): use 'all' or "
+                                  "'checkpoint'")
+    if config.activation_offload == "nvme" and not config.nvme_paths:
+        raise TierstoreValueError("OffloadConfig(activation_offload='nvme') needs nvme_paths=['/path/on/nvme']")
+    c = config.activation_compress
+    if c is not None:
+        if config.activation_offload != "nvme":
+            raise TierstoreValueError(f"OffloadConfig(activation_compress={c!r}) applies to "
+                                      f"activation_offload='nvme'; leave it None otherwise")
+        if c != "bf16":
+            from ..quant import schemes
+            try:
+                schemes.get(c)
+            except TierstoreValueError as e:
+                raise TierstoreValueError(f"OffloadConfig(activation_compress={c!r}): None, 'bf16' or a "
+                                          f"quantization scheme; {e}") from None
+    if config.io_tuning is not None:
+        from ..io import Tuning
+        Tuning.coerce(config.io_tuning)  # a bad file is refused here, naming it
+    for name in ("initial_loss_scale", "min_loss_scale"):
+        number("OffloadConfig", name, getattr(config, name), positive=True)
+    for name in ("quantized_weights", "quantized_gradients"):
+        flag("OffloadConfig", name, getattr(config, name))
+    integer("OffloadConfig", "intra_node_size", config.intra_node_size, 1, none_ok=True,
+                     meaning=" (ranks per node; None: all)")
+    integer("OffloadConfig", "activation_budget_bytes", config.activation_budget_bytes, 0, none_ok=True,
+                     meaning=" (bytes; None: no limit)")
+    if not isinstance(config.extra, dict):
+        raise TierstoreValueError(f"OffloadConfig(extra={config.extra!r}): a dict")
 
 
 # the inner optimizer's arguments checked by name before torch sees them: name -> (check, what to pass)
