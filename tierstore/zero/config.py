@@ -294,7 +294,7 @@ class OffloadConfig:
         builds the config's optimizer and scheduler and checks its batch sizes (docs/zero.md). Here the
         optimizer, scheduler and batch keys are named in the warning as not built."""
         from .ds_mapping import map_deepspeed
-        m = map_deepspeed(ds_config, overrides)
+        m = map_deepspeed(ds_config, overrides, cls)
         names = m.ignored + [f"{k} (not built here: tierstore.zero.from_deepspeed builds it)" for k in m.rest]
         if names:
             warnings.warn("OffloadConfig.from_deepspeed ignored: " + ", ".join(names), stacklevel=2)

@@ -310,7 +310,7 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike, *, lr: floa
         fields["compute_dtype"] = compute_dtype
     if gradient_clipping is not None:
         fields["gradient_clipping"] = gradient_clipping
-    m = map_deepspeed(ds_config, fields)
+    m = map_deepspeed(ds_config, fields, OffloadConfig)
     args = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "world_size": world_size,
             "micro_batch_size": micro_batch_size, "gradient_accumulation_steps": gradient_accumulation_steps,
             "warmup_steps": warmup_steps, "warmup_min_lr": warmup_min_lr, "total_steps": total_steps}

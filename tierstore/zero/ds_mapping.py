@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import TierstoreValueError
-from .config import OffloadConfig
 
 # [Note: DeepSpeed "auto"] HF's DeepSpeed templates leave values as "auto" for the Trainer to fill from its
 # arguments. Each mapped key says what its "auto" means here: AUTO_DEFAULT keeps tierstore's own default (the
@@ -153,14 +152,16 @@ def _rows(sec: dict, prefix: str, rows, kw: dict, resolved: Mapping[str, Any]) -
 
 @dataclass
 class MappedDeepSpeed:
-    """What map_deepspeed read: the OffloadConfig, the keys ignored, the top-level sections left to build."""
-    config: OffloadConfig
+    """What map_deepspeed read: the OffloadConfig it describes (built by the caller, so that config.py and this
+    mapping do not import each other), the keys ignored, the top-level sections left to build."""
+    config: Any
     ignored: list[str]
     rest: dict[str, Any]
 
 
-def map_deepspeed(ds_config, overrides: Mapping[str, Any]) -> MappedDeepSpeed:
-    """Map the parts of a DeepSpeed config OffloadConfig holds; `overrides` (fields) win and resolve "auto".
+def map_deepspeed(ds_config, overrides: Mapping[str, Any], make: Callable[..., Any]) -> MappedDeepSpeed:
+    """Map the parts of a DeepSpeed config OffloadConfig holds; `overrides` (fields) win and resolve "auto";
+    `make` (OffloadConfig) builds the config from the mapped fields.
     Raises TierstoreValueError naming the key for a wrong value or an unresolved "auto"."""
     ds = load_deepspeed(ds_config)
     ignored: list[str] = []
@@ -224,7 +225,7 @@ def map_deepspeed(ds_config, overrides: Mapping[str, Any]) -> MappedDeepSpeed:
                if k in WHY_IGNORED or k.split(".")[0] in WHY_IGNORED else k for k in ignored]
     kw.update(overrides)
     kw["extra"] = {"ignored": list(ignored)}
-    return MappedDeepSpeed(OffloadConfig(**kw), ignored, rest)
+    return MappedDeepSpeed(make(**kw), ignored, rest)
 
 
 # What stands in for DeepSpeed's activation_checkpointing keys that need no mapping (named in the warning).
