@@ -6,8 +6,8 @@ offload from accelerator memory, and the accelerator's RNG in checkpoints.
 Everything else runs with the CPU standing in for the accelerator ([Note: the CPU stands in for the
 accelerator] in tiers/device.py). This module is skipped where torch sees no accelerator -- on the CI machines
 and the development machines, which have none -- and is run by hand on a machine with one:
-``python -m pytest -q tests/test_accelerator.py`` (bench/README.md, "Accelerator checks", says when it last
-ran and where). Written against torch's device-generic API, like the code it checks.
+``python -m pytest -q tests/test_accelerator.py`` (bench/README.md, "Accelerator checks", gives the machine
+it passed on). Written against torch's device-generic API, like the code it checks.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`tierstore bench optim` / `bench train` at a tiny size end to end (each case in its own process, the raw engine on
-the nvme step's bytes), and the DeepSpeed harness's config builder without DeepSpeed: so the benchmarks of
-issue 12 keep working. The measurements themselves are `tierstore bench ...` runs, not tests (bench/README.md)."""
+the nvme step's bytes), and the DeepSpeed harness's config builder without DeepSpeed: so the step
+benchmarks keep working. The measurements themselves are `tierstore bench ...` runs, not tests (bench/README.md)."""
 from __future__ import annotations
 
 import json

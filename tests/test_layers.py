@@ -1,4 +1,4 @@
-"""The store's layers import one way (issue 15): Store -> residency -> tiers -> io, with the handle, the
+"""The store's layers import one way: Store -> residency -> tiers -> io, with the handle, the
 manifest, zarr and encoding beside them, and no import circle -- not even one hidden under TYPE_CHECKING."""
 from __future__ import annotations
 

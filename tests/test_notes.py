@@ -1,6 +1,8 @@
 """Every design-note reference resolves: a `[Note: name]` cited anywhere names a Note defined somewhere, and
 one cited as `[Note: name] in path` is defined in that file. A Note is defined where its bracket opens a
-line (after indentation and comment markers); names may wrap across lines."""
+line (after indentation and comment markers) and its text follows: a title that a wrapped sentence happens to
+put at a line's start is a citation -- one followed by "in path", "(path)" or punctuation, or one the
+previous line leads into ("see", "and", an open parenthesis ...). Names may wrap across lines."""
 from __future__ import annotations
 
 import os
@@ -12,6 +14,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = ("tierstore", "tests", "docs", "bench", "native")
 _NOTE = re.compile(r"\[Note: ([^\]]+)\]")
 _IN_PATH = re.compile(r"\]\s+in\s+([\w./-]+\.(?:py|md|c|h))")
+# after a title at a line's start: what makes it a citation -- "in path", "(path)", or punctuation closing the
+# sentence or parenthesis it sits in (a definition's title is followed by its text, or by nothing on its line)
+_CITED_AFTER = re.compile(r"\s+in\s+[\w./-]+\.(?:py|md|c|h)\b|\s*\([\w./-]+\.(?:py|md|c|h)\)|[.,;)]")
+# the end of the previous line leading into the title: "see", "(see", "and", "in", "of", "'s", "(", "," ...
+_LEADS_IN = re.compile(r"(?:\b(?:see|cf\.|and|or|in|by|per|with|of|the|under|from)|'s|[(,;])\s*$", re.I)
 
 
 def _files():
@@ -35,12 +42,20 @@ def _scan(path: str):
     for m in _NOTE.finditer(text):
         name = " ".join(m.group(1).split())
         line = next(k for k in range(len(starts) - 1, -1, -1) if starts[k] <= m.start()) + 1
-        if m.start() in starts:
+        if m.start() in starts and _defines(text, starts, line - 1, m.end()):
             defs.add(name)
             continue
         cited = _IN_PATH.match(text, m.end() - 1)
         refs.append((name, cited.group(1) if cited else None, line))
     return defs, refs
+
+
+def _defines(text: str, starts: list[int], k: int, end: int) -> bool:
+    """Whether the title that opens line k (ending at `end`) defines its Note rather than cites it."""
+    if _CITED_AFTER.match(text, end):
+        return False
+    prev = text[starts[k - 1]:starts[k]] if k else ""
+    return not _LEADS_IN.search(prev)
 
 
 def _resolve(cited: str, by_file: dict[str, set[str]]) -> list[str]:
@@ -82,3 +97,26 @@ def test_the_scan_itself(tmp_path, text, ok):
     p.write_text(text)
     defs, refs = _scan(str(p))
     assert all(name in defs for name, _c, _l in refs) is ok
+
+
+@pytest.mark.parametrize("text, defines", [
+    ("# [Note: a thing]\n# body\n", True),
+    ("# [Note: a thing] Its text on the same line.\n", True),
+    ("x = f()\n# [Note: a thing]: its text after a colon.\n", True),
+    ("y = 2\n\n# [Note: a\n# thing]\n# body\n", True),
+    # a citation that wrapping puts at a line's start
+    ("# the reason is told there, see\n# [Note: a thing] in other.py.\n", False),
+    ("# why: see\n# [Note: a thing] in other.py, which says it.\n", False),
+    ("# the reason is told there (see\n# [Note: a thing]).\n", False),
+    ("# as the step does, see\n# [Note: a thing].\n", False),
+    ("# both [Note: other thing] and\n# [Note: a thing] say why.\n", False),
+    ("x = 1\n# [Note: a thing] (other.py): why x is 1.\n", False),
+    ("x = 1\n# [Note: a thing] in other.py: why x is 1.\n", False),
+])
+def test_a_title_wrapped_to_a_line_start_is_not_a_definition(tmp_path, text, defines):
+    """A definition is a title opening a comment line, followed by its text; a citation that wrapping puts at
+    the start of a line ("see" before it, "in file.py" or closing punctuation after it) defines nothing."""
+    p = tmp_path / "f.py"
+    p.write_text(text)
+    defs, _refs = _scan(str(p))
+    assert ("a thing" in defs) is defines

@@ -135,8 +135,9 @@ def test_get_faults_fresh_memory_in_ahead(tmp_path, monkeypatch, populate_works)
         assert torch.equal(out, x) and not calls
 
 
-# [Note: lent tensors]: put(..., lend=) writes an aligned tensor larger than a pool buffer from its own memory
-# and returns before the disk has it; lend() is called exactly once, when the memory is the caller's again.
+# Lent tensors ([Note: lent tensors] in tierstore/tiers/nvme/writes.py): put(..., lend=) writes an aligned
+# tensor larger than a pool buffer from its own memory and returns before the disk has it; lend() is called
+# exactly once, when the memory is the caller's again.
 
 class Lend:
     def __init__(self, ios: list | None = None):

@@ -1,6 +1,6 @@
 """Parsers of files tierstore reads: the store's manifest (Store.open) and a checkpoint's meta.json and record
 index (read_meta, consolidate, load_checkpoint) accept exact data or raise a tierstore error, never another
-exception, never allocate huge memory or create files (issue 11, item 6). The mutations are structural with a
+exception, never allocate huge memory or create files. The mutations are structural with a
 recomputed, valid crc32c -- a byte flip is caught by the checksum before any parser runs. Checkpoint cases
 that are not fuzzed are in tests/test_ckpt_security.py."""
 from __future__ import annotations
@@ -191,7 +191,7 @@ def _ext(doc, name):
 @pytest.mark.parametrize("case", ["body_list", "no_dtype", "file_-1", "shape", "huge", "file_300", "shared",
                                   "overlap", "version", "unaligned", "ndirs_str"])
 def test_manifest_fields_are_checked_before_anything_is_made(tmp_path, case):
-    """The crafted manifests of issue 11 item 6, each with a valid crc32c."""
+    """Crafted manifests, each with a valid crc32c."""
     dirs, values = make_store(tmp_path)
     doc = json.load(open(os.path.join(dirs[0], "manifest.json")))
     before = listing(*dirs)

@@ -1,4 +1,4 @@
-"""`tierstore bench partition`: the model shapes written in code, and the issue's targets (exact arithmetic)."""
+"""`tierstore bench partition`: the model shapes written in code, and the targets it checks (exact arithmetic)."""
 from __future__ import annotations
 
 import json

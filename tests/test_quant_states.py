@@ -73,7 +73,7 @@ def test_drift_iid_gradients():
 def test_zero_point_wide_range_gradients():
     """Gradient scale varies 1e4x within every block (v: 1e8x). With exact nearest rounding of v (the control),
     elements whose v lands on code 0 take steps of m / eps. Our second moments use bounded rounding (dyn8v:
-    never under-estimated by more than 1 + 9/256, [Note: bounded rounding of second moments]), so the issue's
+    never under-estimated by more than 1 + 9/256, [Note: bounded rounding of second moments]), so the
     bound holds as stated: no element moves more than lr x steps. No float tolerance is needed or given: the
     largest change measured is ~0.79 lr x steps (fp32 AdamW: 0.83); with nearest rounding (dyn8u, no code 0)
     it was 1.34 (15 elements past 1)."""

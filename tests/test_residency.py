@@ -1,4 +1,4 @@
-"""The residency layer's one read path (issue 15 item 2): get, get_many and the handles share it, so what
+"""The residency layer's one read path: get, get_many and the handles share it, so what
 one of them gets right the others do too."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Store edges (issue 11 items 2, 7, 8, 11, 12): every directory locked, read-only opens (also on a really
+"""Store edges: every directory locked, read-only opens (also on a really
 read-only filesystem), zero-size tensors under codecs, by-name reads racing puts, and bad input refused
 with a tierstore error that says what to do."""
 from __future__ import annotations

@@ -661,7 +661,7 @@ def test_frozen_module_modifying_its_input_in_place(tmp_path):
 
 def test_one_buffer_pinned_budget_does_not_hang(tmp_path):
     """pinned_bytes == one pool buffer (4 MiB) with everything on nvme: the step's reader must not wait for the
-    buffer the writer's small puts keep in the store's staging buffer (a hang before the fix)."""
+    buffer the writer's small puts keep in the store's staging buffer (that would hang)."""
     import threading
     torch.manual_seed(0)
     m = Net(d=64, h=128)

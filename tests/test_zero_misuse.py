@@ -36,7 +36,7 @@ def _users_store(path) -> None:
 # -- scratch directories -----------------------------------------------------------------------------------
 def test_a_users_store_at_rank_r_is_refused_and_kept(tmp_path):
     """A tierstore.Store of the user's at <nvme_path>/rank0: refused naming the path and what to do; the store
-    and its tensor are as they were (it used to be started empty: its tensor gone)."""
+    and its tensor are as they were (not started empty)."""
     _users_store(tmp_path / "nvme" / "rank0")
     with pytest.raises(MisuseError) as ei:
         _opt(tmp_path)
@@ -51,7 +51,7 @@ def test_a_users_store_at_rank_r_is_refused_and_kept(tmp_path):
 
 def test_a_users_files_at_rank_r_or_init_rank_r_are_refused_and_kept(tmp_path):
     """Plain files of the user's where the optimizer (rank0) or zero.Init (init-rank0) keep scratch: refused,
-    the files untouched (zero.Init used to remove the whole directory when it was done)."""
+    the files untouched (zero.Init removes only its own directory when it is done)."""
     for name in ("rank0", "init-rank0"):
         (tmp_path / "nvme" / name).mkdir(parents=True)
         (tmp_path / "nvme" / name / "notes.txt").write_text("mine")
@@ -67,7 +67,7 @@ def test_a_users_files_at_rank_r_or_init_rank_r_are_refused_and_kept(tmp_path):
 
 def test_a_symlink_at_rank_r_is_not_followed(tmp_path):
     """A symlink at <nvme_path>/rank0 (or init-rank0, activations-rank0): a MisuseError naming it; nothing is
-    written where it points (the store's files used to be created there)."""
+    written where it points (no store file is created there)."""
     target = tmp_path / "elsewhere"
     target.mkdir()
     for name in ("rank0", "init-rank0", "activations-rank0"):
@@ -124,8 +124,8 @@ def _losses(opt, m, steps=3):
 
 
 def test_a_second_optimizer_on_the_same_model_is_refused_and_the_first_trains_on(tmp_path):
-    """The second Zero3Optimizer on a model is a MisuseError naming the first (it used to be accepted, and
-    both sets of hooks made training follow neither); the first then trains exactly as without the attempt."""
+    """The second Zero3Optimizer on a model is a MisuseError naming the first (if accepted, both sets
+    of hooks would make training follow neither); the first then trains exactly as without the attempt."""
     _, m_ref = make_pair()
     want = _losses(Zero3Optimizer(m_ref, torch.optim.AdamW, config=cfg(tmp_path / "ref"), lr=1e-2), m_ref)
     _, m = make_pair()
@@ -142,7 +142,7 @@ def test_a_second_optimizer_on_the_same_model_is_refused_and_the_first_trains_on
 
 def test_a_closed_optimizers_model_is_refused_until_it_holds_values(tmp_path):
     """After close() the parameters are empty: a new optimizer on them is refused saying how to keep the
-    values (it used to build on shape-[0] parameters and fail in the forward). optimizer_of(model) finds an
+    values (rather than build on shape-[0] parameters and fail in the forward). optimizer_of(model) finds an
     optimizer dropped without close()."""
     from tierstore.zero import optimizer_of
     _, m = make_pair()
@@ -162,7 +162,7 @@ def test_a_closed_optimizers_model_is_refused_until_it_holds_values(tmp_path):
 def test_a_failed_construction_leaves_the_model_and_the_directory_free(tmp_path, monkeypatch):
     """A constructor that raises after its hooks are on the model (here hpZ's attach) takes them back, with
     its registration and its store: the model keeps its values and no hook, and the next optimizer takes it
-    on the same directory (the store used to stay open, its directory locked, the hooks on the model)."""
+    on the same directory (no store left open, no directory locked, no hook on the model)."""
     from tierstore.zero import hpz
     ref, m = make_pair()
     real = hpz.Hpz.attach
@@ -278,7 +278,7 @@ def test_a_deeply_nested_deepspeed_file_is_refused(tmp_path):
 
 @pytest.mark.parametrize("path", [5, ["/x"], True])
 def test_a_deepspeed_nvme_path_that_is_not_a_string_is_refused_naming_the_key(path):
-    """It used to become str(path): nvme_path=5 wrote into a directory "5" under the current one."""
+    """Not turned into str(path), which would write nvme_path=5 into a directory "5" under the current one."""
     ds = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path}}}
     with pytest.raises(TierstoreValueError, match="offload_param.nvme_path"):
         OffloadConfig.from_deepspeed(ds)

@@ -1,4 +1,4 @@
-"""The parts Zero3Optimizer is built from (issue 15, step 5): the store-key helper, the sub-group stepper's
+"""The parts Zero3Optimizer is built from: the store-key helper, the sub-group stepper's
 typed hand-off, the 8-bit state handling, skipped-parameter handling, and the checkpoint interface."""
 from __future__ import annotations
 

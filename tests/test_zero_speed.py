@@ -675,7 +675,7 @@ def test_the_steps_reads_ahead_are_bounded_by_the_sub_groups_bytes(tmp_path):
 
 
 def test_8bit_states_are_one_extent_each_scales_and_codes_together(tmp_path):
-    """Issue 12, build item 3: a sub-group's 8-bit moment is stored as one tensor -- the blocks' absmax
+    """A sub-group's 8-bit moment is stored as one tensor -- the blocks' absmax
     (scales) then the codes ([Note: packed layout] in quant/packed.py) -- so one extent of the nvme tier, read
     and written with one request; the step's disk bytes for states are exactly those (and the step counts)."""
     from tierstore.quant import packed

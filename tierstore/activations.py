@@ -78,7 +78,7 @@ So a GPT block's layer-norm statistics and log-sum-exp (2-4 KiB each) leave memo
 and a 4 KiB write each. Backward reads a batch once, when its first member is unpacked, and keeps the bytes
 until every member alive then has been unpacked (a second backward reads it again). The copy is taken at
 the pack, so an in-place change after it cannot reach the stored value; the unpack still checks the
-version of a member still alive. Batches are not compressed. Off by default: the issue's design keeps small
+version of a member still alive. Batches are not compressed. Off by default: the design keeps small
 tensors in memory, and batching pays a copy per small save.
 """
 from __future__ import annotations

@@ -121,7 +121,7 @@ def fill_until_full(fs, tmp_path, rng, host_budget: int, tiers: list, campaign: 
 
 
 @pytest.mark.parametrize("host_budget,tiers", [
-    # nothing held in memory: a put/update the disk has no room for fails at the call (issue 11 item 3)
+    # nothing held in memory: a put/update the disk has no room for fails at the call
     pytest.param(0, [None, "nvme"], id="host0"),
     # every value also held in host memory: the retried flush() writes it
     pytest.param(32 << 20, [None], id="host32MiB-held"),

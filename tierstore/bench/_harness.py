@@ -30,7 +30,7 @@ def build(spec: dict):
     """(make_model, batches, loss_fn, tokens_per_step) for spec["model"]:
 
     "linear": a stack of nn.Linear(width, width) with ReLU between, batch spec["batch"] of random inputs
-              regressed onto random targets (the issue's step benchmark);
+              regressed onto random targets (`bench optim`);
     "gpt":    the demo's GPT family (gpt.py) on byte tokens of the Python standard library's sources.
     make_model() builds the module (call it inside zero.Init to build it partitioned); batches is a short
     list of (inputs, targets) cycled through the steps, the same for every case of a run."""

@@ -7,7 +7,7 @@ cpu_checkpointing, one tier down).
 Each case runs in a fresh process (peak RSS is a process's own), the cases alternate A B A B over
 --rounds rounds, and the medians are reported. Activation memory = the peak RSS of the timed steps minus the
 RSS before them (the model, its gradients and AdamW's states are already allocated by an untimed step).
-Targets (issue 16): 'nvme' holds >= 4x less activation memory than 'checkpoint' for <= 1.2x its step time,
+Targets: 'nvme' holds >= 4x less activation memory than 'checkpoint' for <= 1.2x its step time,
 at a sequence length where the activations of 'plain' exceed the model states (parameters, gradients and
 AdamW's two states: 16 bytes per parameter).
 

@@ -4,10 +4,10 @@
 A B A B, with the raw engine moving the nvme step's bytes in the same rounds. What each figure means:
 steps.py and bench/README.md.
 
-Issue 12's targets it prints: host full step <= 1.1x torch's; nvme full step <= 1.15x max(torch's, the raw
+Targets it prints: host full step <= 1.1x torch's; nvme full step <= 1.15x max(torch's, the raw
 engine reading and writing the step's bytes at once); dynamic8 >= 1.5x faster than fp32 on nvme; full step
 <= 0.7x DeepSpeed's and peak RSS <= 0.5x (host vs ZeRO-Offload, nvme vs ZeRO-Infinity).
-The issue's sizes: `--params 33e6` (32 x 1024) and `--params 134e6 --width 2048` (32 x 2048).
+Sizes used in bench/README.md: `--params 256e6`, `--params 134e6`, `--params 1e9`.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ layout (one file per parameter per rank: ceil(numel / world) elements padded to 
 arithmetic over shapes, not a timing, so it is exact and the same on every machine; the reference is still
 computed in the same run and every figure is printed as a ratio to it.
 
-Targets (issue 4): mean request >= min_io_bytes wherever the model allows it (each dtype's bytes per rank
+Targets: mean request >= min_io_bytes wherever the model allows it (each dtype's bytes per rank
 reach min_io_bytes); padding <= 1% of the model for the 7B model at world size 64. Exit status 1 when missed.
 """
 from __future__ import annotations

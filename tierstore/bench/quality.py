@@ -12,8 +12,8 @@ optimizer's final eval-loss gap to fp32 AdamW in memory at the same learning rat
 - bitsandbytes AdamW8bit and torchao AdamW8bit, as users would pick them (their defaults), where they import
   ("not installed" otherwise).
 Each tierstore row also reports how many of its states were 8-bit and how many sub-group steps were fused, so
-a row cannot silently measure the fp32 path. The issue's figures came from 300 steps (`--steps 300`); the
-default is shorter and its gaps noisier. Plotted (eval loss per step, one panel per learning rate) next to the
+a row cannot silently measure the fp32 path. The default, 100 steps, is short and its gaps noisy; `--steps
+300` gives the longer run. Plotted (eval loss per step, one panel per learning rate) next to the
 JSON.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ VARIANTS = (FP32, TS_FUSED, TS_UNFUSED, TS_OVERLAP, BNB, TORCHAO)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=100, help="training steps per run (100; the issue's runs: 300)")
+    p.add_argument("--steps", type=int, default=100, help="training steps per run (100; 300 for a longer run)")
     p.add_argument("--lrs", default="1e-3,3e-4", help="comma-separated learning rates (1e-3,3e-4)")
     p.add_argument("--width", type=int, default=128, help="model width, a multiple of 64 (128)")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks (4)")
@@ -177,7 +177,7 @@ def run(args) -> int:
     cols = ["optimizer"] + [c for lr in lrs for c in (f"eval loss, lr {lr:g}", f"gap to fp32, lr {lr:g}")]
     print_table(f"8-bit optimizer states vs fp32 after {args.steps} steps (eval loss on held-out stdlib text)",
                 cols, rows, caption="gap = (eval loss - fp32's) / fp32's, same model, data and initialisation; "
-                                    "a short run's gaps are noise-sized (--steps 300 for the issue's figures)")
+                                    "a short run's gaps are noise-sized (--steps 300 for a longer run)")
     write_json(args.json, {"bench": "quality", "steps": args.steps, "lrs": lrs, "width": args.width,
                            "layers": args.layers, "context": args.context, "batch": args.batch,
                            "load_average": os.getloadavg()[0], "results": results})

@@ -48,8 +48,8 @@ DS_INSTALL = (f"python3 -m venv {DS_VENV} && {DS_VENV}/bin/pip install torch==2.
 
 def add_arguments(p: argparse.ArgumentParser, model: str) -> None:
     if model == "linear":
-        p.add_argument("--params", type=float, default=8e6, help="parameters of the Linear stack (default 8M; the "
-                       "issue's sizes: 33e6 and 134e6 with --width 2048)")
+        p.add_argument("--params", type=float, default=8e6, help="parameters of the Linear stack (default 8M; e.g. "
+                       "33e6, or 134e6 with --width 2048)")
         p.add_argument("--width", type=int, default=1024, help="width of each Linear layer (layers = params/width^2)")
         p.add_argument("--batch", type=int, default=16)
     else:
@@ -301,7 +301,7 @@ def run(args, model: str, name: str) -> int:
 
 
 def summarize(samples: dict[str, list[dict]], final: dict[str, dict], ready: dict[str, dict], tokens: int) -> dict:
-    """Medians per case, the ratios the issue's targets are stated in, peak RSS and bytes per step."""
+    """Medians per case, the ratios the targets are stated in, peak RSS and bytes per step."""
     med = {c: {k: _median([s[k] for s in ss if k in s]) for k in ("fwd_bwd", "step", "full")}
            for c, ss in samples.items()}
     by = {}
@@ -342,7 +342,7 @@ def summarize(samples: dict[str, list[dict]], final: dict[str, dict], ready: dic
     return {"median": med, "ratios": ratios, "peak_rss": rss, "bytes": by, "tokens_per_s": tps}
 
 
-TARGETS = {  # issue 12's targets, (comparison, bound)
+TARGETS = {  # the targets printed next to the ratios: (comparison, bound)
     "host/torch-fused full": ("<=", 1.1), "nvme full / max(torch-fused full, raw read+write at once)": ("<=", 1.15),
     "nvme-overlap full / max(torch-fused full, raw read+write at once)": ("<=", 1.15),
     "nvme8 speedup over nvme, full": (">=", 1.5), "nvme8-overlap speedup over nvme-overlap, full": (">=", 1.5),

@@ -3,7 +3,7 @@ standard library's sources, torch AdamW in memory (fused and foreach) against ti
 nvme + dynamic8 tiers (and DeepSpeed ZeRO-3 where ./.venv-ds has it), each case in its own process, alternated
 A B A B, with the raw engine moving the nvme step's bytes in the same rounds (steps.py).
 
-Issue 12's targets it prints: tokens/s >= 0.95x torch's on the host tier, >= 0.85x on nvme.
+Targets it prints: tokens/s >= 0.95x torch's on the host tier, >= 0.85x on nvme.
 """
 from __future__ import annotations
 

@@ -26,23 +26,22 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def reference_table() -> str:
-    """OffloadConfig's fields as markdown, one table a group (GROUPS' order, fields in declaration order),
-    then the memory bounds, each once ([Note: memory bounds] in config.py). Ends with a newline."""
+    """OffloadConfig's fields as one markdown table, a heading row a group (GROUPS' order, fields in declaration
+    order), then the memory bounds, each once ([Note: memory bounds] in config.py). Ends with a newline."""
     fields = dataclasses.fields(OffloadConfig)
     out = [f"<!-- generated from OffloadConfig's field metadata (tierstore/zero/config.py); to regenerate: "
-           f"{REGENERATE} -->", ""]
+           f"{REGENERATE} -->", "", "| field | default | meaning |", "|---|---|---|"]
     for group, title in GROUPS.items():
         rows = [f for f in fields if f.metadata["group"] == group]
         if not rows:
             continue
-        note = " (all a first run needs; every other default is the one to start from)" if group == "tiers" \
-            else ""
-        out += [f"**{title}**{note}", "", "| field | default | meaning |", "|---|---|---|"]
+        note = ": all a first run needs; every other default is the one to start from" if group == "tiers" else ""
+        out.append(f"| **{title}**{note} | | |")
         for f in rows:
             bound = f.metadata["bound"]
             sets = f" Sets the *{bound}* memory bound." if bound else ""
             out.append(f"| `{f.name}` | `{_default(f)}` | {f.metadata['doc']}.{sets} |")
-        out.append("")
+    out.append("")
     out += ["**Memory bounds** ([Note: memory bounds] in config.py): each bound once, the knobs that set it and "
             "everything it covers; `config.describe()` shows what they come to for a config.", ""]
     for name, b in MEMORY_BOUNDS.items():

@@ -14,10 +14,9 @@ layer) would otherwise leave the readers idle while each is stepped, and the dis
 in bytes as ``ahead`` full sub-groups. Two reader threads load, in the order submitted: a sub-group's reads
 drain to nothing at its end, and with one reader the disk sat idle there -- a fifth of the step at 256M
 (4 MiB sub-groups); with two, the next sub-group's reads are queued meanwhile (256M dynamic8: the disk busy
-86% of the step instead of 72-78%, the step 1.8 s instead of 2.1-3.3, alternated, the same peak RSS). The
-bound above holds whatever the number of readers: it counts the loads submitted, not those running. (A
-first try at two readers doubled that peak RSS: the optimizer then gave sizes of 0 -- its placeholders,
-empty outside the step -- so nothing bounded the reads ahead but the reader's own speed.) An error in
+86% of the step instead of 72-78%, the same peak RSS; bench/README.md). The bound above holds whatever the
+number of readers: it counts the loads submitted, not those running, and needs each sub-group's real size
+(sized 0, nothing would bound the reads ahead but the readers' own speed). An error in
 any stage stops the pipeline, waits for the writes already submitted (so nothing is
 half-written when the call returns) and is raised.
 """
