@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import tierstore.zero.checkpoint as ckpt_mod
 from tests.support.dist import context, run_ranks
 from tests.support.models import batches, loss_fn, make_pair
 from tests.support.zero import cfg
 from tierstore.errors import CorruptionError, MisuseError, TierstoreIOError, TierstoreValueError
 from tierstore.zero import Zero3Optimizer, consolidate
 from tierstore.zero.ckpt_dir import LOCK, MARK
+from tierstore.zero.ckpt_records import RecordFile
 
 
 def trained(tmp_path, name="a", steps=1):
@@ -331,7 +331,7 @@ def test_consolidate_retries_when_a_writer_pruned_the_checkpoint_it_was_reading(
     new = opt.save_checkpoint(ck, keep=1)
     want = opt.full_state_dict()
     (ck / "latest").write_text(os.path.basename(old))  # a reader starts on the old one ...
-    real = ckpt_mod._RecordFile.__init__
+    real = RecordFile.__init__  # the race is staged when the reader opens its first file: no public hook there
     raced = []
 
     def open_record(self, path, *a, **kw):
@@ -341,7 +341,7 @@ def test_consolidate_retries_when_a_writer_pruned_the_checkpoint_it_was_reading(
             import shutil
             shutil.rmtree(old)
         return real(self, path, *a, **kw)
-    monkeypatch.setattr(ckpt_mod._RecordFile, "__init__", open_record)
+    monkeypatch.setattr(RecordFile, "__init__", open_record)
     full = consolidate(ck)
     assert raced and all(torch.equal(full[k], v) for k, v in want.items())
     opt.close()

@@ -1,7 +1,7 @@
 """A checkpoint directory as save_checkpoint owns it: the names tierstore writes there, which subdirectories
 it may remove, and the lock that gives the directory one writer.
 
-    <dir>/latest, latest.tmp           the name of the current checkpoint (checkpoint.py)
+    <dir>/latest, latest.tmp           the name of the current checkpoint (ckpt_save.py)
     <dir>/writer.lock                  flocked by the job that saves here; holds that job's owner record
     <dir>/ckpt-<steps>-<hex>/          one checkpoint; NAME is the pattern of the names tierstore gives them
     <dir>/ckpt-.../tierstore-checkpoint.json
@@ -432,7 +432,7 @@ def names(latest: str, name: str) -> bool:
 
 def latest_name(directory: str) -> str:
     """The checkpoint `latest` names, checked to be a plain checkpoint name inside `directory` ([Note:
-    checkpoints are untrusted input] in checkpoint.py); `latest` is read only as a regular file of at most
+    checkpoints are untrusted input] in ckpt_records.py); `latest` is read only as a regular file of at most
     LATEST_MAX bytes."""
     if not os.path.isdir(directory):
         if os.path.exists(directory):

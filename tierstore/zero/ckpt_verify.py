@@ -2,7 +2,7 @@
 
 [Note: a failed load changes nothing]
 A load imports one destination sub-group at a time (memory: one source and one destination sub-group,
-[Note: streaming save and load] in checkpoint.py), so a record found damaged half-way used to leave the
+[Note: streaming save and load] in ckpt_load.py), so a record found damaged half-way used to leave the
 sub-groups before it loaded and the rest, `steps`, the hyperparameters and the buffers as they were: a
 model that is neither run's. So a load runs its plan of imports twice. The first pass makes every read the
 import will make -- the same records in the same order, each crc32c-checked, the client state, every
