@@ -113,7 +113,7 @@ def refuse_link(path: str) -> None:
 
 # -- the owner record and the lock ----------------------------------------------------------------------------
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
     """The start time of process `pid` (clock ticks since boot, /proc/<pid>/stat field 22); None where it
     cannot be read (no such process, no /proc)."""
     try:
@@ -129,7 +129,7 @@ _RUN = uuid.uuid4().hex[:12]  # this process's run id
 
 def own_record() -> dict:
     """This process's owner record: who holds a checkpoint directory."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()), "run": _RUN,
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": start_time(os.getpid()), "run": _RUN,
             "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
@@ -160,7 +160,7 @@ def _alive(rec: dict) -> bool:
     pid = rec.get("pid")
     if type(pid) is not int or pid <= 0:
         return False
-    start = _start_time(pid)
+    start = start_time(pid)
     if start is None:
         try:
             os.kill(pid, 0)
@@ -296,6 +296,11 @@ def _still_mine(hold: _Hold, path: str) -> bool:
     if not _same_owner(rec, hold.record):
         raise _refused(hold.directory, path, rec, " (the owner record was rewritten since this job took it)")
     return True
+
+
+def held(opt) -> list[str]:
+    """The checkpoint directories `opt` holds the lock of, least recently saved first."""
+    return [h.directory for h in sorted(_HELD.values(), key=lambda h: h.used) if h.owner() is opt]
 
 
 def release(opt) -> None:
