@@ -26,8 +26,8 @@ def consolidate(directory: str | os.PathLike, *, dtype: torch.dtype | None = Non
         try:
             return _consolidate(sub, body, dtype)
         except CorruptionError as e:  # a file gone because a writer pruned the checkpoint is not damage
-            if not ckpt_dir.vanished(directory, sub, e.filename):  # [Note: readers and a concurrent cleanup]
-                # in ckpt_dir.py
+            # ([Note: readers and a concurrent cleanup] in ckpt_dir.py)
+            if not ckpt_dir.vanished(directory, sub, e.filename):
                 raise
     raise ckpt_dir.removed_error(directory, sub)
 
@@ -39,8 +39,8 @@ def _consolidate(sub: str, body: dict, dtype: torch.dtype | None) -> dict[str, t
         cdt = getattr(torch, body["compute_dtype"])
         values: dict[str, torch.Tensor] = {}
         for index, plan, gids in source_layout(body):
-            if index < 0 and "frozen" in body:  # [Note: frozen parameters left out of a checkpoint] in
-                # frozen_ckpt.py
+            # left out of the checkpoint ([Note: frozen parameters left out of a checkpoint] in frozen_ckpt.py)
+            if index < 0 and "frozen" in body:
                 continue
             role = "master" if index >= 0 else "param"
             buckets = []
