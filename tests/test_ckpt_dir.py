@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import tierstore.zero.checkpoint as ckpt_mod
 from tests.support.dist import context, run_ranks
 from tests.support.models import batches, loss_fn, make_pair
 from tests.support.zero import cfg
 from tierstore.errors import CorruptionError, MisuseError, TierstoreIOError, TierstoreValueError
 from tierstore.zero import Zero3Optimizer, consolidate
 from tierstore.zero.ckpt_dir import LOCK, MARK
+from tierstore.zero.ckpt_records import RecordFile
 
 
 def trained(tmp_path, name="a", steps=1):
@@ -286,16 +286,14 @@ def test_an_optimizer_saving_into_new_directories_holds_a_bounded_number(tmp_pat
     _m, opt = trained(tmp_path)
     for k in range(ckpt_dir.HOLD_MAX + 3):
         opt.save_checkpoint(tmp_path / f"checkpoint-{k}" / "optimizer", keep=0)
-    held = [h for h in ckpt_dir._HELD.values() if h.owner() is opt]
-    assert len(held) == ckpt_dir.HOLD_MAX
+    assert len(ckpt_dir.held(opt)) == ckpt_dir.HOLD_MAX
     import shutil
     shutil.rmtree(tmp_path / "checkpoint-9")  # a Trainer's rotation: that one is let go at the next save
     opt.save_checkpoint(tmp_path / "checkpoint-20" / "optimizer", keep=0)
-    dirs = sorted(os.path.basename(os.path.dirname(h.directory)) for h in ckpt_dir._HELD.values()
-                  if h.owner() is opt)
+    dirs = sorted(os.path.basename(os.path.dirname(d)) for d in ckpt_dir.held(opt))
     assert "checkpoint-9" not in dirs and "checkpoint-20" in dirs and "checkpoint-10" in dirs
     opt.close()
-    assert not [h for h in ckpt_dir._HELD.values() if h.owner() is opt]
+    assert not ckpt_dir.held(opt)
 
 
 def _ranks_refused(rank, world, root):
@@ -331,7 +329,7 @@ def test_consolidate_retries_when_a_writer_pruned_the_checkpoint_it_was_reading(
     new = opt.save_checkpoint(ck, keep=1)
     want = opt.full_state_dict()
     (ck / "latest").write_text(os.path.basename(old))  # a reader starts on the old one ...
-    real = ckpt_mod._RecordFile.__init__
+    real = RecordFile.__init__  # the race is staged when the reader opens its first file: no public hook there
     raced = []
 
     def open_record(self, path, *a, **kw):
@@ -341,7 +339,7 @@ def test_consolidate_retries_when_a_writer_pruned_the_checkpoint_it_was_reading(
             import shutil
             shutil.rmtree(old)
         return real(self, path, *a, **kw)
-    monkeypatch.setattr(ckpt_mod._RecordFile, "__init__", open_record)
+    monkeypatch.setattr(RecordFile, "__init__", open_record)
     full = consolidate(ck)
     assert raced and all(torch.equal(full[k], v) for k, v in want.items())
     opt.close()
@@ -374,7 +372,7 @@ def test_without_flock_the_owner_record_decides(tmp_path, monkeypatch):
     ck.mkdir()
     other = subprocess.Popen(["sleep", "60"])
     try:
-        rec = {"host": socket.gethostname(), "pid": other.pid, "start": ckpt_dir._start_time(other.pid), "run": "x",
+        rec = {"host": socket.gethostname(), "pid": other.pid, "start": ckpt_dir.start_time(other.pid), "run": "x",
                "since": "then"}
         (ck / LOCK).write_text(json.dumps(rec))
         with pytest.raises(MisuseError, match=f"pid {other.pid}.*no flock"):

@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import tierstore.zero.checkpoint as ckpt_mod  # noqa: E402
 from tests.support.dist import run_ranks
 from tests.support.models import batches, loss_fn, make_pair
 from tests.support.zero import cfg
 from tierstore.errors import TierstoreError, TierstoreIOError  # noqa: E402
-from tierstore.zero import Zero3Optimizer, consolidate  # noqa: E402
+from tierstore.zero import Zero3Optimizer, ckpt_meta, ckpt_records, consolidate  # noqa: E402
 from tierstore.zero.ckpt_dir import LOCK  # noqa: E402
 
 
@@ -57,18 +56,19 @@ def check_previous_stands(tmp_path, root, good, saved):
 
 def _fail_writes_after(monkeypatch, nbytes: int, code: int = errno.ENOSPC, only: str = ".bin.tmp"):
     """Record-file writes to files ending in `only` raise `code` once `nbytes` have been written to one."""
-    real = ckpt_mod._RecordWriter._write
+    # the writer's one write call, patched: no public hook makes a write fail part-way through a file
+    real = ckpt_records.RecordWriter._write
 
     def write(self, mv):
         if self.tmp.endswith(only) and self.at + len(mv) > nbytes:
             raise OSError(code, os.strerror(code))
         return real(self, mv)
-    monkeypatch.setattr(ckpt_mod._RecordWriter, "_write", write)
+    monkeypatch.setattr(ckpt_records.RecordWriter, "_write", write)
 
 
 @pytest.mark.parametrize("code,want", [(errno.ENOSPC, "free space"), (errno.EIO, "dmesg")])
 def test_rank_file_write_fails(tmp_path, monkeypatch, code, want):
-    """Before: a bare OSError and a partial ckpt-* directory left behind."""
+    """Not a bare OSError, and no partial ckpt-* directory left behind."""
     root = tmp_path / "ck"
     opt, good, saved = first_saved(tmp_path, root)
     _fail_writes_after(monkeypatch, 4096, code, "rank00000.bin.tmp")
@@ -90,13 +90,13 @@ def test_rank0_files_fail(tmp_path, monkeypatch, step):
     if step == "buffers":
         _fail_writes_after(monkeypatch, 0, only="buffers.bin.tmp")
     else:
-        real = ckpt_mod._write_atomic
+        real = ckpt_meta.write_atomic
 
         def write_atomic(path, data):
             if path.endswith("meta.json"):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return real(path, data)
-        monkeypatch.setattr(ckpt_mod, "_write_atomic", write_atomic)
+        monkeypatch.setattr(ckpt_meta, "write_atomic", write_atomic)
     with pytest.raises(TierstoreIOError, match="free space") as ei:
         opt.save_checkpoint(root)
     monkeypatch.undo()
@@ -111,13 +111,13 @@ def test_latest_renamed_but_not_durable_keeps_both(tmp_path, monkeypatch):
     checkpoint is deleted, and the error says so."""
     root = tmp_path / "ck"
     opt, good, saved = first_saved(tmp_path, root)
-    real = ckpt_mod.fsync_dir
+    real = ckpt_meta.fsync_dir  # what write_atomic calls after the rename of `latest`
 
     def fsync_dir(path):
         if os.path.exists(os.path.join(path, "latest")) and os.path.abspath(path) == str(root):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real(path)
-    monkeypatch.setattr(ckpt_mod, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(ckpt_meta, "fsync_dir", fsync_dir)
     with pytest.raises(TierstoreIOError, match="both are kept") as ei:
         opt.save_checkpoint(root, keep=0)
     monkeypatch.undo()
@@ -157,13 +157,13 @@ def _rank1_fails(rank, world, root):
     good = opt.save_checkpoint(ck)
     train(m, opt, batches(1, seed=5))
     if rank == 1:
-        real = ckpt_mod._RecordWriter._write
+        real = ckpt_records.RecordWriter._write  # as in _fail_writes_after: no public hook fails a write
 
         def write(self, mv):
             if self.at + len(mv) > 4096:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return real(self, mv)
-        ckpt_mod._RecordWriter._write = write
+        ckpt_records.RecordWriter._write = write
     try:
         opt.save_checkpoint(ck)
         out["raised"] = None

@@ -13,7 +13,8 @@ import torch
 from tests.support import batches, cfg, flip_byte, loss_fn, make_pair
 from tierstore.errors import CorruptionError, MisuseError, TierstoreIOError
 from tierstore.zero import Zero3Optimizer, consolidate
-from tierstore.zero.checkpoint import _RecordFile, read_meta  # private reader: finds the byte to damage
+from tierstore.zero.checkpoint import read_meta
+from tierstore.zero.ckpt_records import RecordFile  # the reader: finds the byte to damage
 
 
 def train(m, opt, data):
@@ -49,7 +50,7 @@ def same(a, b) -> bool:
 def _record(root, fname: str, name: str) -> tuple[str, dict]:
     sub, body = read_meta(root)
     path = os.path.join(sub, fname)
-    rec = _RecordFile(path, body["files"][fname])
+    rec = RecordFile(path, body["files"][fname])
     r = rec.records[name]
     rec.close()
     return path, r
@@ -77,8 +78,8 @@ def _damage(root, last: int, how: str, fname: str = "rank00000.bin") -> None:
 
 @pytest.mark.parametrize("how", ["master", "state.exp_avg", "state.step", "buffer"])
 def test_a_damaged_last_record_leaves_the_optimizer_as_it_was(tmp_path, saved, how):
-    """Before: the sub-groups before the damaged one were imported, `steps` and the hyperparameters were not,
-    and the error said nothing about it."""
+    """Not the sub-groups before the damaged one imported and `steps` and the hyperparameters not, with an
+    error that says nothing about it."""
     import shutil
     root, last = saved
     shutil.copytree(root, tmp_path / "ck")
@@ -179,8 +180,8 @@ def _one_rank_damaged(rank, world, root):
 
 
 def test_a_record_damaged_on_one_rank_fails_every_rank_before_any_imports(tmp_path):
-    """Before: rank 1 loaded the checkpoint's `steps` and hyperparameters while rank 0 failed: the ranks
-    held different states of one run."""
+    """Not rank 1 loading the checkpoint's `steps` and hyperparameters while rank 0 fails, the ranks then
+    holding different states of one run."""
     from tests.support import run_ranks
     res = run_ranks(_one_rank_damaged, 2, str(tmp_path))
     assert res[0]["err"][0] == "CorruptionError" and "optimizer is unchanged" in res[0]["err"][1], res[0]

@@ -240,7 +240,8 @@ def _kill_rounds(tmp_path, ctx, rng, seen):
 
 
 def test_damaged_record_index_or_size_is_reported_with_file_and_offset(tmp_path):
-    from tierstore.zero.checkpoint import _RecordFile, read_meta  # private reader: finds the byte to damage
+    from tierstore.zero.checkpoint import read_meta
+    from tierstore.zero.ckpt_records import RecordFile  # the reader: finds the byte to damage
     _, m = make_pair()
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path / "a"))
     train(m, opt, batches(2))
@@ -248,7 +249,7 @@ def test_damaged_record_index_or_size_is_reported_with_file_and_offset(tmp_path)
     cks = [opt.save_checkpoint(tmp_path / f"ck{i}") for i in range(3)]
     # a byte inside one state record: that record's crc32c fails; the error names file, record and offset
     path = os.path.join(cks[0], "rank00000.bin")
-    rec = _RecordFile(path, read_meta(tmp_path / "ck0")[1]["files"]["rank00000.bin"])
+    rec = RecordFile(path, read_meta(tmp_path / "ck0")[1]["files"]["rank00000.bin"])
     r = rec.records[f"{gid}.state.exp_avg"]
     rec.close()
     flip_byte(path, r["offset"] + r["nbytes"] // 2)
@@ -276,6 +277,7 @@ def test_unknown_versions_are_refused_naming_them(tmp_path):
     import json
 
     from tierstore.zero import checkpoint as ckpt
+    from tierstore.zero.ckpt_meta import body_crc
     _, m = make_pair()
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path / "a", "host", "nvme", "host"))
     train(m, opt, batches(2))
@@ -283,7 +285,7 @@ def test_unknown_versions_are_refused_naming_them(tmp_path):
     opt.close()
     doc = json.load(open(os.path.join(sub, "meta.json")))
     doc["version"] = doc["body"]["version"] = 7
-    doc["crc32c"] = ckpt._body_crc(doc["body"])
+    doc["crc32c"] = body_crc(doc["body"])
     open(os.path.join(sub, "meta.json"), "w").write(json.dumps(doc))
     with pytest.raises(TierstoreValueError, match="format version 7; this tierstore reads versions 2, 3"):
         consolidate(tmp_path / "ck")

@@ -1,7 +1,7 @@
 """A checkpoint directory as save_checkpoint owns it: the names tierstore writes there, which subdirectories
 it may remove, and the lock that gives the directory one writer.
 
-    <dir>/latest, latest.tmp           the name of the current checkpoint (checkpoint.py)
+    <dir>/latest, latest.tmp           the name of the current checkpoint (ckpt_save.py)
     <dir>/writer.lock                  flocked by the job that saves here; holds that job's owner record
     <dir>/ckpt-<steps>-<hex>/          one checkpoint; NAME is the pattern of the names tierstore gives them
     <dir>/ckpt-.../tierstore-checkpoint.json
@@ -113,7 +113,7 @@ def refuse_link(path: str) -> None:
 
 # -- the owner record and the lock ----------------------------------------------------------------------------
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
     """The start time of process `pid` (clock ticks since boot, /proc/<pid>/stat field 22); None where it
     cannot be read (no such process, no /proc)."""
     try:
@@ -129,7 +129,7 @@ _RUN = uuid.uuid4().hex[:12]  # this process's run id
 
 def own_record() -> dict:
     """This process's owner record: who holds a checkpoint directory."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()), "run": _RUN,
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": start_time(os.getpid()), "run": _RUN,
             "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
@@ -160,7 +160,7 @@ def _alive(rec: dict) -> bool:
     pid = rec.get("pid")
     if type(pid) is not int or pid <= 0:
         return False
-    start = _start_time(pid)
+    start = start_time(pid)
     if start is None:
         try:
             os.kill(pid, 0)
@@ -298,6 +298,11 @@ def _still_mine(hold: _Hold, path: str) -> bool:
     return True
 
 
+def held(opt) -> list[str]:
+    """The checkpoint directories `opt` holds the lock of, least recently saved first."""
+    return [h.directory for h in sorted(_HELD.values(), key=lambda h: h.used) if h.owner() is opt]
+
+
 def release(opt) -> None:
     """Every lock `opt` holds on a checkpoint directory (its close())."""
     for hold in list(_HELD.values()):
@@ -432,7 +437,7 @@ def names(latest: str, name: str) -> bool:
 
 def latest_name(directory: str) -> str:
     """The checkpoint `latest` names, checked to be a plain checkpoint name inside `directory` ([Note:
-    checkpoints are untrusted input] in checkpoint.py); `latest` is read only as a regular file of at most
+    checkpoints are untrusted input] in ckpt_records.py); `latest` is read only as a regular file of at most
     LATEST_MAX bytes."""
     if not os.path.isdir(directory):
         if os.path.exists(directory):

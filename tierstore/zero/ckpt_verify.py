@@ -1,10 +1,10 @@
 """The two passes of load_checkpoint: verify everything, then import; and what a failure in either leaves.
 
 [Note: a failed load changes nothing]
-A load imports one destination sub-group at a time (memory: one source and one destination sub-group,
-[Note: streaming save and load] in checkpoint.py), so a record found damaged half-way would leave the
-sub-groups before it loaded and the rest, `steps`, the hyperparameters and the buffers as they were: a
-model that is neither run's. So a load runs its plan of imports twice. The first pass makes every read the
+A load imports one destination sub-group at a time (memory: one source and one destination sub-group:
+see [Note: streaming save and load] in ckpt_load.py), so a record found damaged half-way through one pass
+would leave the sub-groups before it loaded and the rest, `steps`, the hyperparameters and the buffers as
+they were: a model that is neither run's. So a load runs its plan of imports twice. The first pass makes every read the
 import will make -- the same records in the same order, each crc32c-checked, the client state, every
 buffer -- and drops what it built without touching the optimizer; the ranks then exchange their outcomes,
 so a damaged record on any rank fails the load on every rank before any rank changes anything ("the
