@@ -36,8 +36,10 @@ def batches(n=8):
 def run(kind: str, tmp_path, lo: int, hi: int, save_at: int | None = None, load: str | None = None,
         mixed_precision: str = "no", compute_dtype: torch.dtype = torch.float32):
     """Micro-batches [lo, hi) of batches() under accelerate; returns (losses, logged norms, get_state_dict)."""
-    AcceleratorState._reset_state(reset_partial_state=True)  # each run its own mixed_precision and
-    GradientState._reset_state()  # accumulation, whatever ran in this process before
+    # accelerate's own resets (private there, its tests use them): each run its own mixed_precision and
+    # accumulation, whatever ran in this process before
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     acc = Accelerator(cpu=True, gradient_accumulation_steps=GA, mixed_precision=mixed_precision)
     model = gpt2()
     sched_fn = lambda s: 1.0 - s / 10  # noqa: E731

@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from tierstore.errors import TierstoreValueError  # noqa: E402
 from tierstore.integrations.trainer import OPTIMIZER_DIR, TierstoreTrainer  # noqa: E402
-from tierstore.zero import OffloadConfig, Zero3Optimizer  # noqa: E402
+from tierstore.zero import OffloadConfig, Zero3Optimizer, optimizer_of  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -110,7 +110,7 @@ def test_adamw_torch_fused_steps_with_the_fused_kernel_as_trainer_does(tmp_path)
     ref.train()
     ts = TierstoreTrainer(model=gpt2(), args=targs(tmp_path / "ts", **args), train_dataset=dataset())
     ts.train()
-    assert ts._zero3().optimizer_kwargs["fused"] is True
+    assert optimizer_of(ts.model).optimizer_kwargs["fused"] is True
     ref.save_model(str(tmp_path / "a"))
     ts.save_model(str(tmp_path / "b"))
     a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
@@ -295,7 +295,7 @@ def test_bf16_flag_trains_like_trainer_bf16(tmp_path):
     _t, fp32 = _losses(Trainer, tmp_path / "fp32", 50)
     _t, ref = _losses(Trainer, tmp_path / "ref", 50, args=dict(bf16=True))
     ts, got = _losses(TierstoreTrainer, tmp_path / "ts", 50, args=dict(bf16=True))
-    assert ts._zero3().config.compute_dtype == torch.bfloat16
+    assert optimizer_of(ts.model).config.compute_dtype == torch.bfloat16
     noise = float((ref - fp32).abs().max())
     assert 0 < noise < 1e-2  # bf16 moved the plain run, a little
     assert len(got) == 50 and float((got - ref).abs().max()) <= 3 * noise
@@ -312,13 +312,13 @@ def test_fp16_flag_scales_the_loss_through_trainers_backward(tmp_path):
     on them, as with torch's GradScaler."""
     _t, fp32 = _losses(Trainer, tmp_path / "fp32", 8)
     ts, got = _losses(TierstoreTrainer, tmp_path / "ts", 8, args=dict(fp16=True))
-    z = ts._zero3()
+    z = optimizer_of(ts.model)
     assert z.config.compute_dtype == torch.float16 and z.loss_scale == 2.0 ** 16
     assert z.stats().overflow_skips == 0 and z.steps == 8
     assert float((got - fp32).abs().max()) < 1e-3
     big = OffloadConfig(initial_loss_scale=2.0 ** 22)
     ts2, _got = _losses(TierstoreTrainer, tmp_path / "ts2", 8, args=dict(fp16=True), offload_config=big)
-    z2 = ts2._zero3()
+    z2 = optimizer_of(ts2.model)
     skips = z2.stats().overflow_skips
     assert 0 < skips < 8 and z2.loss_scale == 2.0 ** (22 - skips) and z2.steps == 8 - skips
     assert ts2.lr_scheduler.last_epoch == 8 - skips  # the schedule skipped the skipped steps

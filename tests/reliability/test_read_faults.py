@@ -49,7 +49,7 @@ def _read(s: Store, want: dict, rng: random.Random):
         return op, lambda: s.get(name), lambda: full
     rows = sorted(rng.sample(range(len(full)), min(len(full), rng.randint(1, 6))))
     if op == "rows, no block crcs":
-        p = s._res.lookup(name)
+        p = s._res.lookup(name)  # an old manifest's record, made by hand: no public way writes one
         e = p.copies.get("nvme")
         if e is not None:
             e.blocks = None  # as a manifest written before block crcs: streamed through the pool
@@ -75,7 +75,7 @@ def test_read_faults(read_store, tmp_path, monkeypatch):
 
             def failing(fd, _real=real_fstat):
                 raise OSError(errno.EIO, "Input/output error")
-            s._engine.inject_fault(rng.choice([1, 1, 2, 3]), kind)
+            s._engine.inject_fault(rng.choice([1, 1, 2, 3]), kind)  # the engine's fault seam; tests only
             if fstat_fails:
                 monkeypatch.setattr(os, "fstat", failing)
             try:
