@@ -576,7 +576,7 @@ def test_unused_tied_and_reused_modules(world_results, scenario):
 
 
 def test_quantized_collectives_and_8bit_states_loss(world_results):
-    """Target (issue 6): final loss within 2% of fp32, for everything on together and (world 4, where qgZ runs
+    """Target: final loss within 2% of fp32, for everything on together and (world 4, where qgZ runs
     its two stages over 2 "nodes" of 2 ranks) for qgZ alone. The model is wide enough that fc2's
     state shards reach the 8-bit minimum (4096 elements); with a 16/32-wide model qgZ alone moved the loss
     +3.6% at world 4 (int4 error relative to tiny buckets), noted in docs/zero.md."""
