@@ -3,10 +3,11 @@ gradients into each rank's partition during and at the end of backward.
 
 ``ParamCoordinator`` is the hooks layer: it installs the hooks and, in each, asks the state objects what to
 do and does it -- the phase (phase.py), the backward schedule (backward_schedule.py, a pure state machine),
-the gradient reducer (gradient_reducer.py) and bucket residency (bucket_residency.py) -- and tells the
-subscribers of events.py where the step is. It does the gathers itself; the prefetch around them is
-prefetch.py's ``Prefetcher``, which it tells what comes next (the trace forward, the entries below the
-backward cursor) and takes read-ahead shards and posted all-gathers from.
+the gradient reducer (gradient_reducer.py), bucket residency (bucket_residency.py), what the trace says of
+the forward's end (turn.py) and the agreement on final buckets (finals.py) -- and tells the subscribers of
+events.py where the step is. It does the gathers itself; the prefetch around them is prefetch.py's
+``Prefetcher``, which it tells what comes next (the trace forward, the entries below the backward cursor)
+and takes read-ahead shards and posted all-gathers from. nn.Linear's forward is replaced by linear.py's.
 
 [Note: gather and release]
 Outside of use every managed parameter's ``.data`` is an empty tensor; the values live as this rank's shard
@@ -16,12 +17,11 @@ points each parameter's ``.data`` at its run of the gathered bucket (a view; a p
 is assembled). The forward post-hook releases buckets no running module needs (a count per bucket, so a
 parent and a child sharing a bucket, or a module called twice, stay correct; [Note: bucket residency] in
 bucket_residency.py). Autograd saves the parameter itself for backward ([Note: linear keeps its
-parameters] in linear.py makes that true for nn.Linear), so the released bucket's memory is free between forward and
-backward and the buckets are gathered again before the module's backward (see [Note: backward gathers] in
-backward_schedule.py); a bucket is released again once every trainable parameter in it has accumulated its
-gradient (post-accumulate-grad hooks), or at the end of backward for buckets holding unused or frozen
-parameters ([Note: releasing frozen buckets in backward] in bucket_residency.py).
-
+parameters] in linear.py makes that true for nn.Linear), so the released bucket's memory is free between
+forward and backward and the buckets are gathered again before the module's backward (see [Note: backward
+gathers] in backward_schedule.py); a bucket is released again once every trainable parameter in it has
+accumulated its gradient (post-accumulate-grad hooks), or at the end of backward for buckets holding unused
+or frozen parameters ([Note: releasing frozen buckets in backward] in bucket_residency.py).
 
 [Note: activation recomputation]
 torch.utils.checkpoint runs a module's forward again inside backward (non-reentrant: when a backward node
@@ -141,7 +141,7 @@ class ParamCoordinator:
         self.trace = Trace()
         self._name_of = {id(p): n for n, p in params.items()}
         self._module_gids: dict[int, list[int]] = {}
-        self.turn = TurnPlan(layout, self.trace, self._module_gids, reuse_bytes)  # [Note: kept at the turn]
+        self.turn = TurnPlan(layout, self.trace, self._module_gids, reuse_bytes)  # [Note: kept at the turn] in turn.py
         self._calls: list[_Call] = []  # the hooked forward calls running (nested)
         self._world = _dist.world_and_rank(group)[0]
         # [Note: gathering at world size 1]: gid -> whether its shard was lent last time
