@@ -23,18 +23,18 @@ Within backward, interleaved with the visits:
 - ``gradient_open(gid)``: a gradient is about to be added into sub-group ``gid``'s partition (a reduction,
   or a gradient computed straight into it); a subscriber refuses it by raising MisuseError (a clip is
   pending: [Note: clipping with the loss scale] in scaling.py). Sent by the gradient partitions
-  (grad_partitions.py) to the coordinator's subscribers;
+  (grad_partitions.py), which the optimizer gives the coordinator's subscribers;
 - ``bucket_final(gid)``: bucket ``gid``'s gradient is final and whole -- reduced, every trainable parameter
   of it had its gradient, nothing can add to it any more -- and its partition is handed over: the
   subscriber steps it now ([Note: overlapped step] in overlap.py). Sent only while some subscriber's
   ``wants_final()`` says True, and that query changes what the coordinator does: the reductions hand the
   partitions over instead of storing them, and at world size N it posts the agreement of [Note: overlapped
-  step at world size N] in overlap.py. With nobody wanting them, buckets are reduced into the store and
+  step at world size N] in finals.py. With nobody wanting them, buckets are reduced into the store and
   step() steps them;
 - ``bucket_released(gid, full)``: world size 1, backward released bucket ``gid`` and ``full`` is its values,
   this rank's own copy (not a shard the store lent): a subscriber may keep it ([Note: masters at hand] in
-  stepper.py). Looked up and sent only when some subscriber defines the method (``listens``): holding
-  ``full`` across the release costs nothing, but only one who wants it should.
+  stepper.py). Looked up and sent only when some subscriber defines the method (``listens``), so that
+  without one no release holds the values a moment longer.
 An exception in a subscriber propagates out of the hook, as an error of the model's own code would.
 """
 from __future__ import annotations
