@@ -58,9 +58,10 @@ def test_the_memory_knobs_set_what_their_bounds_say(tmp_path):
                         pipeline_depth=4, reuse_bytes=3 << 20, overlap_step=True)
     opt = Zero3Optimizer(torch.nn.Linear(8, 8), torch.optim.SGD, config=cfg, lr=0.1)
     try:
-        assert opt.coordinator.reuse_bytes == cfg.reuse_budget == 3 << 20  # reuse: kept at the turn
+        assert opt.coordinator.turn.reuse_bytes == cfg.reuse_budget == 3 << 20  # reuse: kept at the turn
         step = cfg.pipeline_depth * cfg.sub_group_bytes
-        assert opt._stream is not None and opt._stream.queue_bytes == step  # step: the overlapped step's queue
+        assert opt.overlap is not None and opt.overlap.stream.queue_bytes == step  # step: the overlapped step's queue
+        # private: the stepper's buffer pool has no public view
         assert opt._stepper.buffers.lend_bytes == 2 * step  # step: buffers lent to writes
     finally:
         opt.close()

@@ -141,3 +141,53 @@ def test_a_backward_that_raised_ends_aborted_before_the_next_forward(tmp_path, c
     assert "without reaching its end" in caplog.text
     assert rec.log == [("backward_end", True, I)] + STEP
     opt.close()
+
+
+class GradientEvents(HookEvents):
+    """Records the events of the gradients' way to the step ([Note: hook events] in events.py)."""
+
+    def __init__(self):
+        self.log = []
+
+    def gradient_open(self, gid):
+        self.log.append(("open", gid))
+
+    def bucket_final(self, gid):
+        self.log.append(("final", gid))
+
+    def bucket_released(self, gid, full):
+        self.log.append(("released", gid, full.dtype))
+
+
+def test_the_gradients_way_to_the_step_is_heard_by_subscribers(tmp_path):
+    """gradient_open comes for every trainable bucket's partition; bucket_released (world size 1) only where
+    the released values are this rank's own copy -- a shard read from nvme, not one the store lent; bucket_final
+    only while some subscriber wants final buckets (the overlapped step: once per trainable bucket, and none
+    inside accumulating())."""
+    x = torch.randn(4, 8)
+    for tier, overlap in (("host", False), ("nvme", False), ("host", True)):
+        torch.manual_seed(0)
+        m = Tiny()
+        opt = Zero3Optimizer(m, torch.optim.SGD, lr=0.1, config=OffloadConfig(
+            params=tier, optimizer_states=tier, gradients="host", nvme_paths=[str(tmp_path / f"{tier}{overlap}")],
+            min_io_bytes=0, overlap_step=overlap))
+        rec = GradientEvents()
+        opt.coordinator.subscribe(rec)
+        trainable = set(opt.layout.trainable_gids())
+        m(x).square().mean().backward()
+        assert {e[1] for e in rec.log if e[0] == "open"} == trainable
+        released = [e for e in rec.log if e[0] == "released"]
+        finals = sorted(e[1] for e in rec.log if e[0] == "final")
+        if tier == "nvme":  # fp32 masters shared with the parameters, read from nvme: the step may take them
+            assert released and all(dtype == torch.float32 for _e, _g, dtype in released)
+        else:  # the store lends its own copy on a memory tier (a copy with overlap_step): nothing to offer
+            assert released == [] or overlap
+        assert finals == (sorted(trainable) if overlap else [])
+        assert opt.stats().overlapped == len(finals)
+        opt.step()
+        opt.zero_grad()
+        rec.log.clear()
+        with opt.accumulating():
+            m(x).square().mean().backward()
+        assert [e for e in rec.log if e[0] == "final"] == []
+        opt.close()

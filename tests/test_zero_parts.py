@@ -120,13 +120,13 @@ def test_loaded_subgroup_is_typed_and_the_stepper_steps_it(tmp_path):
         x, y = next(iter(batches(1)))
         loss_fn(opt.model, x, y).backward()
         before = opt.export_subgroup(gid)
-        st = opt._stepper
-        opt._skipped.plan(opt.coordinator.grad_names)
+        st = opt._stepper  # private: the stepper's own hand-off is what this tests
+        st.skipped.plan(opt.coordinator.grad_names)
         t = st.load(gid)
         assert isinstance(t, LoadedSubgroup) and t.gid == gid
         assert t.resident == {"grad"}  # the gradient stepped in place on host; master and states read from nvme
         assert set(t.tensors) == {"master", "grad", "step", "exp_avg", "exp_avg_sq"}
-        st.step_loaded([t], 1.0)
+        st.step_loaded([t], 1.0, "inline")
         assert t.master_out is not None and set(t.new_state) == {"step", "exp_avg", "exp_avg_sq"}
         st.save(t)
         after = opt.export_subgroup(gid)
@@ -351,15 +351,15 @@ def test_importing_a_subgroup_without_states_forgets_its_8bit_ones(tmp_path):
         m(x).sum().backward()
         opt.step()
         opt.zero_grad()
-        packed = sorted(opt._states8.packed)
+        packed = opt.stats().quantized_states
         assert packed, "the test needs a state packed in 8 bits"
-        for gid in {g for g, _k in packed}:
+        for gid in opt.layout.trainable_gids():
             opt.import_subgroup(gid, opt.export_subgroup(gid)["master"], {}, {})
             assert opt.export_subgroup(gid)["state"] == {}
-        assert not opt._states8.packed
+        assert opt.stats().quantized_states == 0
         m(x).sum().backward()
         opt.step()
-        assert sorted(opt._states8.packed) == packed
+        assert opt.stats().quantized_states == packed
     finally:
         opt.close()
 
@@ -379,3 +379,45 @@ def test_the_cpu_step_warning_applies_only_to_an_unchosen_implementation_for_an_
     assert warning(model=cpu) is None  # torch's own default on the CPU: the user's baseline is the same loop
     assert warning(step=acc) is None  # states on the device tier: the step runs there
     assert warning(torch.optim.RMSprop) is None  # no fused kernel to recommend
+
+
+@pytest.mark.parametrize("kw", [
+    dict(params="device", states="host", grads="host"),
+    dict(params="nvme", states="nvme", grads="nvme"),
+    dict(params="device", states="host", grads="host", overlap_step=True),
+    dict(params="device", states="nvme", grads="host", state_codec="dynamic8", min_io_bytes=1 << 14,
+         sub_group_bytes=1 << 14),
+], ids=["memory", "nvme-shared-master", "overlapped", "fused8"])
+def test_stats_name_the_step_paths_a_run_took(tmp_path, kw):
+    """OptimizerStats.step_paths counts each sub-group step once under the way it was driven and once under
+    each other path it took ([Note: step paths] in stepper.py); the paths agree with the other counters."""
+    d = 64 if kw.get("state_codec") else 16  # 8-bit states only for states this large
+    _, m = make_pair(d=d, h=128)
+    opt = Zero3Optimizer(m, torch.optim.AdamW, config=cfg(tmp_path, **kw), lr=1e-2)
+    try:
+        for x, y in batches(3, d=d):
+            loss_fn(m, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        st, n = opt.stats(), len(opt.layout.trainable_gids())
+        paths = st.step_paths
+        drivers = {k: paths.get(k, 0) for k in ("in-place", "inline", "pipelined", "overlapped")}
+        assert sum(drivers.values()) == 3 * n  # every sub-group step driven one way
+        assert paths["first"] == n  # the first step creates the states
+        assert paths.get("fused8", 0) == st.fused_steps
+        assert paths.get("masters-at-hand", 0) == st.masters_at_hand
+        assert paths.get("partly-skipped", 0) == st.partly_skipped
+        if kw.get("overlap_step"):
+            assert paths["overlapped"] == st.overlapped > 0
+        elif kw["states"] == "host":  # memory tiers: the first step one sub-group at a time, then one inner step
+            assert paths == {"first": n, "inline": n, "in-place": 2 * n}
+        else:
+            assert paths["pipelined"] == 3 * n
+        if kw["params"] == "nvme":  # fp32 with the parameters on the states' tier
+            assert paths["shared-master"] == 3 * n and paths["kept-for-forward"] > 0
+        if kw.get("state_codec"):
+            assert paths["fused8"] > 0
+        assert set(paths) <= {"in-place", "inline", "pipelined", "overlapped", "first", "fused8", "partly-skipped",
+                              "masters-at-hand", "shared-master", "kept-for-forward"}
+    finally:
+        opt.close()

@@ -196,7 +196,7 @@ def _one_nvme_step(tmp_path, **kw):
         written = {k: after.disk_written[k] - before.disk_written[k] for k in after.disk_written}
         assert sum(read.values()) == nv1["bytes_out"] - nv0["bytes_out"]
         assert sum(written.values()) == nv1["bytes_in"] - nv0["bytes_in"]
-        head = opt._forward_head()  # [Note: stepped masters kept for the forward]
+        head = opt.shards.forward_head.gids  # [Note: stepped masters kept for the forward]
         assert after.masters_kept - before.masters_kept == len(head)
         return read, written, held, opt.layout, opt.config, sum(4 * opt.layout.shard_numel(g) for g in head)
     finally:
@@ -230,7 +230,7 @@ def test_the_forwards_last_buckets_are_not_read_again_by_backward(tmp_path):
         {k: v for k, v in read0.items() if k not in ("params", "master")}
 
 
-# -- the overlapped step ([Note: overlapped step] in optimizer.py) ---------------------------------------------
+# -- the overlapped step ([Note: overlapped step] in overlap.py) ---------------------------------------------
 def _train(opt, model, data, *, micro=1, clip=None, ref=False):
     """Steps of `micro` micro-batches each; accumulating() around all but the last (tierstore)."""
     norms = []
@@ -429,7 +429,7 @@ def test_a_handed_over_partition_kept_for_step_is_stored_in_the_gradient_dtype(t
         gradient_dtype=torch.bfloat16))
     try:
         gid = opt.layout.trainable_gids()[0]
-        parts = opt._grads
+        parts = opt._grads  # private: the partitions' hand-over has no public surface
         part, _fresh = parts.open(gid)
         part.fill_(0.5)
         parts.close(gid, part, hand_over=True)
@@ -528,7 +528,7 @@ def test_the_forward_takes_the_masters_the_step_wrote(tmp_path, overlap, codec):
                     ref(x).sum().backward()
                     ref_opt.step()
                     ref_opt.zero_grad()
-            head = opt._forward_head()
+            head = opt.shards.forward_head.gids
             assert opt.stats().masters_kept == (0 if reuse == 0 else 2 * len(head))  # the 2nd and 3rd forwards
             if codec is None:
                 full = opt.full_state_dict()
@@ -593,7 +593,7 @@ def test_a_kept_master_is_not_used_before_its_write_has_finished(tmp_path, monke
         y = m(x).sum().detach()
         # its master was written just before: the forward could not use it sooner
         assert time.perf_counter() >= last + 1.0 - 0.1
-        assert opt.stats().masters_kept == 2 * len(opt._forward_head()) > 0  # the 2nd and 3rd forwards
+        assert opt.stats().masters_kept == 2 * len(opt.shards.forward_head.gids) > 0  # the 2nd and 3rd forwards
         assert torch.equal(y, ref(x).sum().detach())
     finally:
         opt.close()
@@ -657,16 +657,16 @@ def test_the_steps_reads_ahead_are_bounded_by_the_sub_groups_bytes(tmp_path):
         m(x).sum().backward()
         opt.step()
         opt.zero_grad()
-        st = opt._stepper
+        st = opt._stepper  # private: the step is slowed by hand to let the reader run ahead
         step_loaded = st.step_loaded
 
-        def slow(items, coef):  # the reader runs ahead meanwhile
+        def slow(items, coef, path):  # the reader runs ahead meanwhile
             time.sleep(0.02)
-            return step_loaded(items, coef)
+            return step_loaded(items, coef, path)
         st.step_loaded = slow
         m(x).sum().backward()
         opt.step()
-        pl = st._pipeline
+        pl = st._pipeline  # private: the pipeline's own bound is what this tests
         assert len(opt.layout.trainable_gids()) >= 16
         # the one stepped, one (full) sub-group read ahead plus the next being read, one being written
         assert pl.peak_in_flight <= 1 + (pl.ahead + 1) + pl.behind, pl.peak_in_flight
@@ -695,13 +695,14 @@ def test_8bit_states_are_one_extent_each_scales_and_codes_together(tmp_path):
         expect = 0
         packed_states = 0
         for gid in opt.layout.trainable_gids():
+            q8 = opt._stepper.states8  # private: which states are stored in 8 bits has no public surface
             for k in opt._stepper.state_keys[gid]:
                 t = opt.store.tensor(keys.state(gid, k))
                 copy_ = t._p.copies["nvme"]
                 assert isinstance(copy_, Extent) and copy_.length == t.encoded_nbytes  # one extent, all of it
                 expect += t.encoded_nbytes
-                if opt._states8.is_packed(gid, k):
-                    scheme, n = opt._states8.packed[(gid, k)]
+                if q8.is_packed(gid, k):
+                    scheme, n = q8.packed[(gid, k)]
                     assert t.dtype == torch.uint8 and t.encoded_nbytes == packed.nbytes(scheme, n, 256)
                     packed_states += 1
         assert packed_states >= 2 and read == expect
@@ -748,7 +749,7 @@ def test_the_steps_writes_come_from_its_buffers_which_come_back_only_when_writte
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(
         tmp_path, params="nvme", states="nvme", grads="nvme", sub_group_bytes=8 << 20, overlap_step=overlap))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    real_write = opt.store._engine.write
+    real_write = opt.store._engine.write  # private: the fault is set up in the store's engine
 
     def write(f, buf, offset=0):
         fut = real_write(f, buf, offset)
@@ -799,7 +800,7 @@ def test_synchronize_waits_for_the_reads_the_step_started_and_its_writes(tmp_pat
         assert not all(f.done() for f in pf._prefetched.values())
         opt.synchronize()
         assert all(f.done() for f in pf._prefetched.values()) and pf.reads_in_flight
-        writer = opt.store._nvme._writer
+        writer = opt.store._nvme._writer  # private: the tier's writes in flight have no public surface
         assert all(f.done() for f in list(writer._inflight))  # every write submitted has finished
         m(torch.randn(4, 1100)).sum().backward()  # and they are used as before
         assert pf.prefetch_hits > 0

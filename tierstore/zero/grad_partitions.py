@@ -32,7 +32,7 @@ overlapped step never leaves fp32.
 At world size 1 a fresh partition needs no reduction: a parameter's gradient can be computed straight into
 its run of the partition. ``open_early(gid)`` opens partition `gid` during backward, before its bucket is
 complete, when it is fresh (and the step may still take gradient into it); the gradient hooks' nn.Linear
-backward ([Note: linear keeps its parameters] in hooks.py) then writes ``grad^T @ x`` (and the bias's sum)
+backward ([Note: linear keeps its parameters] in linear.py) then writes ``grad^T @ x`` (and the bias's sum)
 into the parameter's run with ``out=``, autograd's AccumulateGrad takes that tensor as the parameter's
 ``.grad`` (a view of the partition: no full-size gradient is allocated, page-faulted, copied or freed), a
 second gradient of the same parameter in the same backward (a tied weight) is added to it in place, and the
@@ -43,7 +43,6 @@ opened early; whatever was opened early and not reduced (a backward that raised)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
@@ -53,13 +52,14 @@ from ..tiers import tier_info
 from . import keys
 from ._layout import Layout
 from .disk_bytes import DiskBytes
+from .events import Subscribers
 
 
 class GradPartitions:
     """The gradient partitions of one rank on tier `tier`. See [Note: persistent gradient partitions]."""
 
     def __init__(self, store, tier: str, layout: Layout, buffers, disk: DiskBytes,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, events: Subscribers | None = None):
         self.store = store
         self.disk = disk  # [Note: disk bytes by kind]
         self.tier = tier
@@ -74,9 +74,11 @@ class GradPartitions:
         self._early: dict[int, torch.Tensor] = {}  # gid -> fresh partition opened during backward ([Note: gradients
         # computed in their partition]), handed over by the next open(gid)
         self.handed: dict[int, torch.Tensor] = {}  # gid -> nvme partition kept for the step, not written
-        self.stepped: set[int] = set()  # stepped during this backward ([Note: overlapped step] in optimizer.py)
+        self.stepped: set[int] = set()  # stepped during this backward ([Note: overlapped step] in overlap.py)
         self.eager = False  # sums of squares taken while the partition is at hand (someone reads them)
-        self.before_open: Callable[[], None] | None = None  # raises where no gradient may arrive now (a clip pending)
+        # where ``gradient_open`` is sent, whose subscribers raise where no gradient may arrive now (a clip
+        # pending): [Note: hook events] in events.py
+        self.events = events if events is not None else Subscribers()
 
     def __contains__(self, gid: int) -> bool:
         """Whether partition `gid` holds gradient accumulated since clear()."""
@@ -93,8 +95,7 @@ class GradPartitions:
                 f"sub-group {gid} received more gradient after OffloadConfig(overlap_step=True) had stepped it in "
                 f"this backward (a parameter of it got a second gradient, e.g. shared by two reentrant "
                 f"checkpointed regions); that step cannot be undone. Train this model with overlap_step=False")
-        if self.before_open is not None:
-            self.before_open()
+        self.events.emit("gradient_open", gid)
         early = self._early.pop(gid, None)
         if early is not None:  # fresh: nothing can have been accumulated since it was opened
             return early, True
@@ -109,11 +110,10 @@ class GradPartitions:
             return part
         if gid in self.sq or gid in self.stepped:
             return None
-        if self.before_open is not None:
-            try:
-                self.before_open()
-            except MisuseError:
-                return None  # the reduction's open() raises it, where it always has
+        try:
+            self.events.emit("gradient_open", gid)
+        except MisuseError:
+            return None  # the reduction's open() raises it, where it always has
         part = self._early[gid] = self._open_now(gid)[0]
         return part
 
@@ -172,7 +172,7 @@ class GradPartitions:
 
     def close(self, gid: int, part: torch.Tensor, *, hand_over: bool = False) -> None:
         """Partition `gid` (from open) now holds the accumulated gradient. `hand_over`: it is about to be
-        stepped ([Note: overlapped step] in optimizer.py): its sum of squares is taken now (the step scales it
+        stepped ([Note: overlapped step] in overlap.py): its sum of squares is taken now (the step scales it
         in place), and on nvme it is kept for ``take`` instead of written."""
         eager = self.eager and (hand_over or not self.memory)
         self.sq[gid] = _sum_squares(part) if eager else None  # else computed when asked for (sum_squares)
@@ -186,7 +186,7 @@ class GradPartitions:
 
     def keep(self, gid: int) -> None:
         """Partition `gid`, closed with hand_over, is not stepped now after all (world size N: another rank had
-        not all its gradient when it was reduced; [Note: overlapped step at world size N] in optimizer.py):
+        not all its gradient when it was reduced; [Note: overlapped step at world size N] in finals.py):
         stored as close() would have stored it."""
         part = self.handed.pop(gid, None)
         if part is None:  # a memory tier: it is in the store already

@@ -248,7 +248,7 @@ class GradientReducer:
         many were reduced again. See [Note: gradient reduce-scatter], [Note: no gradient] in hooks.py.
         `on_final`: called with each bucket reduced here whose gradient is then final and whole -- every
         trainable parameter in it got a gradient on some rank, none is skipped -- and that `may_step` allows,
-        right after its reduction (its partition handed over; [Note: overlapped step] in optimizer.py)."""
+        right after its reduction (its partition handed over; [Note: overlapped step] in overlap.py)."""
         dirty = set(self.dirty)
         got = self.got_grad
         if self.world > 1:

@@ -3,10 +3,11 @@ gradients into each rank's partition during and at the end of backward.
 
 ``ParamCoordinator`` is the hooks layer: it installs the hooks and, in each, asks the state objects what to
 do and does it -- the phase (phase.py), the backward schedule (backward_schedule.py, a pure state machine),
-the gradient reducer (gradient_reducer.py) and bucket residency (bucket_residency.py) -- and tells the
-subscribers of events.py where the step is. It does the gathers itself; the prefetch around them is
-prefetch.py's ``Prefetcher``, which it tells what comes next (the trace forward, the entries below the
-backward cursor) and takes read-ahead shards and posted all-gathers from.
+the gradient reducer (gradient_reducer.py), bucket residency (bucket_residency.py), what the trace says of
+the forward's end (turn.py) and the agreement on final buckets (finals.py) -- and tells the subscribers of
+events.py where the step is. It does the gathers itself; the prefetch around them is prefetch.py's
+``Prefetcher``, which it tells what comes next (the trace forward, the entries below the backward cursor)
+and takes read-ahead shards and posted all-gathers from. nn.Linear's forward is replaced by linear.py's.
 
 [Note: gather and release]
 Outside of use every managed parameter's ``.data`` is an empty tensor; the values live as this rank's shard
@@ -16,40 +17,11 @@ points each parameter's ``.data`` at its run of the gathered bucket (a view; a p
 is assembled). The forward post-hook releases buckets no running module needs (a count per bucket, so a
 parent and a child sharing a bucket, or a module called twice, stay correct; [Note: bucket residency] in
 bucket_residency.py). Autograd saves the parameter itself for backward ([Note: linear keeps its
-parameters] makes that true for nn.Linear), so the released bucket's memory is free between forward and
-backward and the buckets are gathered again before the module's backward (see [Note: backward gathers] in
-backward_schedule.py); a bucket is released again once every trainable parameter in it has accumulated its
-gradient (post-accumulate-grad hooks), or at the end of backward for buckets holding unused or frozen
-parameters ([Note: releasing frozen buckets in backward] in bucket_residency.py).
-
-[Note: linear keeps its parameters]
-nn.Linear's forward (F.linear -> addmm / matmul on ``weight.t()``) makes autograd save a transposed *view*
-of the weight for backward: a view of the gathered bucket, which keeps the bucket's storage alive until
-backward however early the hooks release it. On a stack of Linear layers that is nearly the whole model
-held at the end of forward, which is what ZeRO-3 exists to avoid. So the coordinator
-points the forward of every hooked module whose class uses nn.Linear's own forward (nn.Linear, TiledLinear's
-tiles, subclasses that do not override forward) at ``_LinearKeepingParams``: F.linear inside an autograd
-Function that saves the input and the Parameter objects themselves -- not their data -- and computes the
-three gradients from them in backward, after the backward gather put the values back. Same products as
-torch's Linear backward (grad @ W, grad^T @ x, sum of grad); under torch.autocast the products run in the
-autocast dtype, as nn.Linear's do. ``remove()`` restores the class's forward.
-
-[Note: kept at the turn]
-Backward needs first what forward used last, so releasing the forward's last buckets only to gather (read,
-all-gather) them again a moment later moves their bytes twice. Once the trace ([Note: trace] in
-prefetch.py) says the buckets of the calls after the current one fit in ``reuse_bytes`` (OffloadConfig;
-bytes of gathered buckets), a bucket the current call releases is held instead (``_turn``, in release
-order; only with grad enabled, not in a recomputation): so forward holds at most ``reuse_bytes`` plus one
-call's buckets more than it would. At the forward's end the most recently released of them that fit in
-``reuse_bytes`` stay held and in the protocol view ([Note: bucket residency]) -- the same decision on every
-rank, from the shared trace and layout, so no rank's collectives change -- and the rest are released.
-Backward finds them held and gathers nothing for them; its usual rules release them (gradients complete,
-end of backward), and at world size 1 hand what they release to the step ([Note: masters at hand] in
-stepper.py). A forward that starts before any backward came (evaluation, two forwards then one
-backward) and ``gathered()`` release them first, so nothing stale is ever used. The first forward (still
-recording the trace) keeps nothing. Memory: at most ``reuse_bytes`` more held between forward and backward,
-where backward's prefetch would hold its first buckets anyway; the module order and sizes decide what is
-kept, identically on every rank.
+parameters] in linear.py makes that true for nn.Linear), so the released bucket's memory is free between
+forward and backward and the buckets are gathered again before the module's backward (see [Note: backward
+gathers] in backward_schedule.py); a bucket is released again once every trainable parameter in it has
+accumulated its gradient (post-accumulate-grad hooks), or at the end of backward for buckets holding unused
+or frozen parameters ([Note: releasing frozen buckets in backward] in bucket_residency.py).
 
 [Note: activation recomputation]
 torch.utils.checkpoint runs a module's forward again inside backward (non-reentrant: when a backward node
@@ -72,7 +44,7 @@ zero_grad(). The optimizer's step skips the others (see [Note: skipped parameter
 
 [Note: compiled models]
 ``torch.compile(model)`` traces the module calls, hooks included. Every hook here (the root's and each
-module's forward pre- and post-hook) and the Linear forward of [Note: linear keeps its parameters] are run
+module's forward pre- and post-hook) and the Linear forward of [Note: linear keeps its parameters] in linear.py are run
 under ``torch.compiler.disable`` (``_eager``), so Dynamo breaks the graph at each of them and runs them
 eagerly, and nothing they call (gathers, store reads, I/O engine, collectives) is traced. What Dynamo
 compiles is the compute between hooks: a module's own arithmetic outside its Linear products (norms,
@@ -85,7 +57,6 @@ products run as eager calls.
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,9 +67,12 @@ from ._layout import Layout
 from .backward_schedule import BackwardSchedule
 from .bucket_residency import BucketResidency
 from .events import Subscribers, Subscription
+from .finals import FinalAgreement
 from .gradient_reducer import GradientReducer, PartitionSink
+from .linear import keep_linear_params
 from .phase import Phase
 from .prefetch import Prefetcher, Trace
+from .turn import TurnPlan
 
 
 @dataclass(frozen=True)
@@ -120,7 +94,7 @@ class CoordinatorStats:
     eager_reductions: int  # world size 1: buckets reduced as soon as their gradients were complete
     early_reductions: int  # world size N: buckets reduced during backward by the agreed schedule
     # world size N, overlap_step: buckets reduced during backward that some rank could not step then (not all
-    # their gradients in yet there); stepped in step() ([Note: overlapped step at world size N] in optimizer.py)
+    # their gradients in yet there); stepped in step() ([Note: overlapped step at world size N] in finals.py)
     finals_deferred: int
     rereductions: int  # buckets that received gradient after their reduction and were reduced again
     # world size 1: parameters' gradients computed straight into their partition, no full .grad allocated
@@ -132,7 +106,8 @@ class CoordinatorStats:
     reads_in_flight: int  # shards read ahead and not yet used or dropped
     gathers_in_flight: int  # all-gathers posted ahead and not yet used or dropped
     in_forward: bool  # a forward of the model is running (a recomputation inside backward included)
-    kept_at_turn: int  # buckets the end of forward kept for backward, not gathered again ([Note: kept at the turn])
+    # buckets the end of forward kept for backward, not gathered again ([Note: kept at the turn] in turn.py)
+    kept_at_turn: int
 
 
 class ParamCoordinator:
@@ -144,7 +119,8 @@ class ParamCoordinator:
                  quantized_gradients: bool = False, intra_node_size: int | None = None, prefetch_depth: int = 0,
                  prefetch_bytes: int = 0,
                  reuse_bytes: int = 0,
-                 lend_shard: Callable[[int], tuple[torch.Tensor, Callable[[], None]] | None] | None = None):
+                 lend_shard: Callable[[int], tuple[torch.Tensor, Callable[[], None]] | None] | None = None,
+                 events: Subscribers | None = None):
         self.model = model
         self.layout = layout
         self.params = params  # canonical name -> Parameter
@@ -152,12 +128,7 @@ class ParamCoordinator:
         self.group = group
         self.qwz = quantized_weights
         self.prefetch_depth = prefetch_depth
-        self.reuse_bytes = reuse_bytes  # [Note: kept at the turn]
         self._turn: dict[int, None] = {}  # gids held past their release near the forward's end, in release order
-        self._suffix: list[int] = []  # bytes of the buckets the trace's calls from each position on use
-        self._suffix_key: tuple | None = None  # the trace those were computed for
-        self._order: list[int] = []  # forward_order()'s, for the trace of _order_key
-        self._order_key: tuple | None = None
         self.kept_at_turn = 0
         self.phase = Phase.IDLE  # [Note: phases]
         self._depth = 0  # nesting of the root module's forward
@@ -166,27 +137,20 @@ class ParamCoordinator:
         self.reducer = GradientReducer(layout, params, grad_sink, device=device, group=group,
                                        quantized=quantized_gradients, intra_node_size=intra_node_size)
         self.residency = BucketResidency(layout, params, device)
-        self.events = Subscribers()
+        self.events = Subscribers() if events is None else events  # [Note: hook events] in events.py
         self.trace = Trace()
         self._name_of = {id(p): n for n, p in params.items()}
         self._module_gids: dict[int, list[int]] = {}
+        self.turn = TurnPlan(layout, self.trace, self._module_gids, reuse_bytes)  # [Note: kept at the turn] in turn.py
         self._calls: list[_Call] = []  # the hooked forward calls running (nested)
         self._world = _dist.world_and_rank(group)[0]
         # [Note: gathering at world size 1]: gid -> whether its shard was lent last time
         self._lend = lend_shard if self._world == 1 and not quantized_weights else None
         self._lent: dict[int, bool] = {}
         self.views = True  # False: gather copies even where a shard could be lent (gathered())
-        # called with each bucket whose gradient became final (reduced, and no more gradient can reach it)
-        # during backward, to step it ([Note: overlapped step] in optimizer.py); None: nothing to do
-        self.on_final: Callable[[int], None] | None = None
-        # world size N: buckets reduced early with on_final set, and the all_reduce that tells whether every
-        # rank can step them ([Note: overlapped step at world size N] in optimizer.py), oldest first
-        self._finals: list[tuple[tuple[int, ...], _dist.Reducing]] = []
-        self.finals_deferred = 0
-        self.final_backwards = 0  # backwards that ended with on_final set (their sub-groups may be stepped)
-        # world size 1: called with each bucket backward releases and its values, once nothing here refers to
-        # them ([Note: masters at hand] in stepper.py); None: nothing to do
-        self.on_backward_release: Callable[[int, torch.Tensor], None] | None = None
+        # world size N: which buckets reduced early are final ([Note: overlapped step at world size N] in finals.py)
+        self.finals = FinalAgreement(self.reducer, self.residency, self.events, group)
+        self.final_backwards = 0  # backwards that ended with final buckets wanted (some may have been stepped)
         # -- prefetch ([Note: prefetch stages] in prefetch.py)
         # a lent shard is not read ahead: using it costs nothing
         self.prefetcher = Prefetcher(layout, fetch_shard,
@@ -236,10 +200,10 @@ class ParamCoordinator:
             self._module_gids[id(m)] = gids
             self._handles.append(m.register_forward_pre_hook(_eager(self._pre_forward)))
             self._handles.append(m.register_forward_hook(_eager(self._post_forward), always_call=True))
-            if type(m).forward is torch.nn.Linear.forward and "forward" not in m.__dict__:
-                # [Note: linear keeps its parameters]; [Note: gradients computed in their partition]
-                m.forward = types.MethodType(functools.partial(_linear_keeping_params, grad_out=self._grad_out), m)
-                self._handles.append(_InstanceForward(m))
+            # [Note: linear keeps its parameters] in linear.py; [Note: gradients computed in their partition]
+            handle = keep_linear_params(m, self._grad_out)
+            if handle is not None:
+                self._handles.append(handle)
         for _n, p in self.params.items():
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_done))
@@ -254,7 +218,7 @@ class ParamCoordinator:
             prefetch_hits_backward=self.prefetch_hits_backward, staged=pf.stage.staged,
             staged_copies=pf.stage.copies, trace_rebuilds=self.trace.rebuilds,
             eager_reductions=self.eager_reductions, early_reductions=self.early_reductions,
-            rereductions=self.rereductions, finals_deferred=self.finals_deferred,
+            rereductions=self.rereductions, finals_deferred=self.finals.deferred,
             grads_in_place=self.reducer.grads_in_place, grad_bytes=self.grad_bytes,
             peak_grad_bytes=self.peak_grad_bytes,
             buckets_held=frozenset(self.residency.live), reads_in_flight=pf.reads_in_flight,
@@ -342,7 +306,7 @@ class ParamCoordinator:
 
     def release_kept(self) -> None:
         """Release the buckets the last forward kept for a backward that has not come
-        ([Note: kept at the turn])."""
+        ([Note: kept at the turn] in turn.py)."""
         for gid in list(self._turn):
             if not self.residency.in_use(gid):
                 self.release(gid)
@@ -351,51 +315,14 @@ class ParamCoordinator:
     def forward_order(self) -> list[int]:
         """The buckets the next forward uses, in the order it first uses them, as the trace predicts (empty
         while it is being recorded)."""
-        tr = self.trace
-        if tr.recording:
-            return []
-        key = (id(tr.order), len(tr.order), tr.rebuilds)
-        if self._order_key != key:
-            seen: dict[int, None] = {}
-            for mid in tr.order:
-                for g in self._module_gids.get(mid, ()):
-                    seen.setdefault(g)
-            self._order, self._order_key = list(seen), key
-        return self._order
-
-    def _near_turn(self, index: int | None) -> bool:
-        """Whether a bucket the call at trace position `index` releases is held for backward: the buckets of
-        the calls after it fit in reuse_bytes ([Note: kept at the turn])."""
-        tr = self.trace
-        if self.reuse_bytes <= 0 or index is None or tr.recording or not torch.is_grad_enabled():
-            return False
-        key = (id(tr.order), len(tr.order), tr.rebuilds)
-        if self._suffix_key != key:  # the trace changed: bytes of the buckets used from each position on
-            seen: set[int] = set()
-            total = 0
-            suffix = [0] * (len(tr.order) + 1)
-            for i in range(len(tr.order) - 1, -1, -1):
-                for g in self._module_gids.get(tr.order[i], ()):
-                    if g not in seen:
-                        seen.add(g)
-                        b = self.layout.bucket(g)
-                        total += b.numel * b.dtype.itemsize
-                suffix[i] = total
-            self._suffix, self._suffix_key = suffix, key
-        return index + 1 < len(self._suffix) and self._suffix[index + 1] <= self.reuse_bytes
+        return self.turn.forward_order()
 
     def _keep_for_backward(self) -> None:
         """The forward's end: of the buckets held near the turn, the most recently released that fit in
-        reuse_bytes stay; the others go ([Note: kept at the turn])."""
-        budget = self.reuse_bytes if self.schedule.entries else 0  # no entry: no backward will use them
-        keep: dict[int, None] = {}
+        reuse_bytes stay; the others go ([Note: kept at the turn] in turn.py)."""
+        keep = self.turn.keep(self._turn, self.residency.live, bool(self.schedule.entries))
         for gid in reversed(list(self._turn)):
-            b = self.layout.bucket(gid)
-            nbytes = b.numel * b.dtype.itemsize
-            if gid in self.residency.live and nbytes <= budget:
-                budget -= nbytes
-                keep[gid] = None
-            elif not self.residency.in_use(gid):
+            if gid not in keep and not self.residency.in_use(gid):
                 self.release(gid)
         self._turn = keep
         self.kept_at_turn += len(keep)
@@ -408,7 +335,7 @@ class ParamCoordinator:
             self.reducer.drop_grads()
             self._reset_backward(aborted=True)
         if self._depth == 0 and self.phase is Phase.IDLE:
-            if self._turn:  # kept for a backward that did not come ([Note: kept at the turn])
+            if self._turn:  # kept for a backward that did not come ([Note: kept at the turn] in turn.py)
                 self.release_kept()
             self.phase = Phase.FORWARD
             self._calls.clear()
@@ -425,7 +352,7 @@ class ParamCoordinator:
             self.trace.end()
             self.prefetcher.drop()
             if self.phase is Phase.FORWARD:  # buckets kept for a module predicted next (see _post_forward)
-                self._keep_for_backward()  # [Note: kept at the turn]
+                self._keep_for_backward()  # [Note: kept at the turn] in turn.py
                 for gid in list(self.residency.live):
                     if gid not in self._turn and not self.residency.in_use(gid):
                         self.release(gid)
@@ -480,7 +407,7 @@ class ParamCoordinator:
         # the same prediction on every rank, so the same all-gathers are skipped everywhere
         keep = () if recompute or not self.prefetcher.enabled else {
             g for mid in self.trace.upcoming(self.prefetch_depth) for g in self._module_gids.get(mid, ())}
-        turn = not recompute and self._near_turn(call.index)  # [Note: kept at the turn]
+        turn = not recompute and self.turn.near(call.index)  # [Note: kept at the turn] in turn.py
         for g in gids:
             if self.residency.leave(g) and g not in keep and not recompute:
                 if turn:
@@ -504,7 +431,7 @@ class ParamCoordinator:
         self._bw_task = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
         self.schedule.begin()
-        self._turn.clear()  # the buckets kept for backward are its own now ([Note: kept at the turn])
+        self._turn.clear()  # the buckets kept for backward are its own now ([Note: kept at the turn] in turn.py)
         self.residency.begin_backward((e.gids for e in self.schedule.entries), self.reducer.trains)
         self.reducer.begin()
         if self.events:
@@ -521,14 +448,14 @@ class ParamCoordinator:
         """Visit entries down to `index` ([Note: backward gathers])."""
         res, red = self.residency, self.reducer
         while (visit := self.schedule.step_to(index)) is not None:
-            self._resolve_finals(wait=False)
+            self.finals.resolve(wait=False)
             due = [g for g in visit.due if g not in red.reduced]  # [Note: gradient reduce-scatter]
-            overlap = self.on_final is not None
+            overlap = self.events.wants_final()  # [Note: hook events] in events.py
             for gid in due:
                 red.reduce(gid, hand_over=overlap)
                 self.early_reductions += 1
             if overlap and due:
-                self._post_finals(due)
+                self.finals.post(due)
             need = [g for g in visit.gids if g not in res.protocol]
             pf = self.prefetcher
             hits, ghits = pf.prefetch_hits, pf.gather_hits
@@ -543,28 +470,6 @@ class ParamCoordinator:
                     self.events.emit("backward_visit", visit.entry)
                 self._prefetch_backward()
 
-    def _post_finals(self, gids: list[int]) -> None:
-        """World size N, overlap_step: buckets `gids` were just reduced; whether their gradient is final is
-        known once every rank says it had all of it (one small all_reduce MAX, waited later). See [Note:
-        overlapped step at world size N] in optimizer.py."""
-        res, red = self.residency, self.reducer
-        flags = torch.tensor([0 if red.complete(g) and g not in res.live and g in res.protocol else 1 for g in gids],
-                             dtype=torch.int32)
-        self._finals.append((tuple(gids), _dist.all_reduce_max_async(flags, self.group)))
-
-    def _resolve_finals(self, *, wait: bool) -> None:
-        """Step the buckets whose all_reduce said every rank can (the oldest first, as far as those are ready,
-        or all of them with `wait`); the others' partitions are kept for step()."""
-        while self._finals and (wait or self._finals[0][1].ready()):
-            gids, pending = self._finals.pop(0)
-            flags = pending.wait().tolist()
-            for gid, refused in zip(gids, flags):
-                if not refused and self.on_final is not None:
-                    self.on_final(gid)
-                else:
-                    self.reducer.sink.keep(gid)
-                    self.finals_deferred += 1
-
     def _prefetch_backward(self) -> None:
         """Backward: stages ahead of the cursor, over the entries below it ([Note: prefetch stages]). Every
         rank makes the same visits in the same order, so it posts the same all-gathers."""
@@ -578,18 +483,18 @@ class ParamCoordinator:
         for gid in self.reducer.arrived(name):  # complete now
             if not self.residency.in_use(gid):
                 lent = self._lent.get(gid, False) or self._world > 1  # not this rank's own copy
-                full = None if lent or self.on_backward_release is None else self.residency.live.get(gid)
+                full = None if lent or not self.events.listens("bucket_released") else self.residency.live.get(gid)
                 self.release(gid, local_only=True)
-                if full is not None and self.on_backward_release is not None:
-                    self.on_backward_release(gid, full)
+                if full is not None:
+                    self.events.emit("bucket_released", gid, full)
                 del full
             if self._world == 1 and gid not in self.reducer.reduced:  # no collective: reduce right away
                 # final: stepped now, unless its bucket is still held (a forward running needs its values)
-                on_final = self.on_final if gid not in self.residency.live else None
-                self.reducer.reduce(gid, hand_over=on_final is not None)
+                final = gid not in self.residency.live and self.events.wants_final()
+                self.reducer.reduce(gid, hand_over=final)
                 self.eager_reductions += 1
-                if on_final is not None:
-                    on_final(gid)
+                if final:
+                    self.events.emit("bucket_final", gid)
 
     def _grad_out(self, p: torch.Tensor) -> torch.Tensor | None:
         """Where parameter `p`'s gradient may be computed in this backward, or None: see [Note: gradients
@@ -608,17 +513,14 @@ class ParamCoordinator:
         try:
             if self._world > 1:
                 self._advance_to(0, final=True)
-            self._resolve_finals(wait=True)
-            self.final_backwards += self.on_final is not None
+            self.finals.resolve(wait=True)
+            self.final_backwards += self.events.wants_final()
             self.reduce_gradients()
         finally:
             self._reset_backward()
 
     def _reset_backward(self, *, aborted: bool = False) -> None:
-        for gids, _pending in self._finals:  # a backward that raised: its partitions wait for step()
-            for gid in gids:
-                self.reducer.sink.keep(gid)
-        self._finals.clear()
+        self.finals.drop()
         self.phase = Phase.FORWARD if self._depth > 0 else Phase.IDLE
         self.reducer.end()
         self.schedule.end()
@@ -633,12 +535,13 @@ class ParamCoordinator:
 
     def reduce_gradients(self) -> None:
         """End of backward: the reducer agrees with the other ranks and reduces what is left
-        ([Note: gradient reduce-scatter], [Note: no gradient]); with on_final set, each bucket final then is
-        handed to it as soon as it is reduced ([Note: overlapped step] in optimizer.py)."""
+        ([Note: gradient reduce-scatter], [Note: no gradient]); while final buckets are wanted, each bucket
+        final then is sent as ``bucket_final`` as soon as it is reduced ([Note: overlapped step] in overlap.py)."""
         # a bucket still held once backward is over (a parameter of it got no gradient here) is a copy nobody
         # reads again, unless a forward running uses it (a backward inside a forward)
         res = self.residency
-        self.rereductions += self.reducer.end_of_backward(self.schedule, self.on_final, lambda g: not res.in_use(g))
+        on_final = functools.partial(self.events.emit, "bucket_final") if self.events.wants_final() else None
+        self.rereductions += self.reducer.end_of_backward(self.schedule, on_final, lambda g: not res.in_use(g))
 
     def prefetch_forward(self) -> None:
         """Between steps (after the optimizer's step): start the stages of [Note: prefetch stages] for the
@@ -679,84 +582,9 @@ def register_external_parameter(module: torch.nn.Module, param: torch.nn.Paramet
         ext.append(param)
 
 
-class _LinearKeepingParams(torch.autograd.Function):
-    """F.linear whose backward reads the parameters themselves. See [Note: linear keeps its parameters].
-    Under torch.autocast the product runs in the autocast dtype, as nn.Linear's would, and each gradient
-    comes back in its tensor's own dtype. `grad_out(param)`: where that parameter's gradient may be computed
-    (a tensor of its shape and dtype) or None ([Note: gradients computed in their partition])."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, grad_out=None):
-        dev = x.device.type
-        ctx.cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-        ctx.grad_out = grad_out
-        ctx.save_for_backward(x, weight, bias)
-        if ctx.cast is None:
-            return torch.nn.functional.linear(x, weight, bias)
-        c = ctx.cast
-        with torch.autocast(dev, enabled=False):
-            return torch.nn.functional.linear(x.to(c), weight.to(c), None if bias is None else bias.to(c))
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, bias = ctx.saved_tensors
-        if ctx.cast is not None:
-            grad = grad.to(ctx.cast)
-        w = weight if ctx.cast is None else weight.to(ctx.cast)
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = grad.matmul(w).to(x.dtype)
-        g2 = grad.reshape(-1, grad.shape[-1])
-        if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, x.shape[-1])
-            out = _grad_target(ctx, 1, weight, g2.dtype)
-            if out is not None:
-                gw = torch.matmul(g2.t(), x2, out=out)
-            else:
-                gw = g2.t().matmul(x2 if ctx.cast is None else x2.to(ctx.cast)).to(weight.dtype)
-        if bias is not None and ctx.needs_input_grad[2]:
-            out = _grad_target(ctx, 2, bias, g2.dtype)
-            gb = torch.sum(g2, 0, out=out) if out is not None else g2.sum(0).to(bias.dtype)
-        return gx, gw, gb, None
-
-
-def _grad_target(ctx, i: int, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """Where the gradient of input `i` (a parameter), computed in `dtype`, may be computed: the coordinator's
-    run of its gradient partition, when autograd will accumulate it into ``param.grad`` as it is. Not when the
-    product is cast (autocast) or in another dtype than the parameter's, when backward records a graph
-    (create_graph), when the parameter has hooks of its own (they could keep or replace the tensor), nor when
-    ``torch.autograd.grad`` captures it instead of accumulating it (the caller would get memory the next
-    backward overwrites). [Note: gradients computed in their partition] in grad_partitions.py."""
-    if ctx.grad_out is None or ctx.cast is not None or dtype != param.dtype or torch.is_grad_enabled() or \
-            param._backward_hooks:
-        return None
-    node = ctx.next_functions[i][0]
-    try:  # raises for a leaf that autograd.grad captures
-        if node is None or not torch._C._will_engine_execute_node(node):
-            return None
-    except RuntimeError:
-        return None
-    return ctx.grad_out(param)
-
-
 def _eager(fn):
     """`fn` run outside any torch.compile graph ([Note: compiled models])."""
     return torch.compiler.disable(fn, recursive=True)
-
-
-@torch.compiler.disable  # [Note: compiled models]
-def _linear_keeping_params(module: torch.nn.Linear, x: torch.Tensor, *, grad_out=None) -> torch.Tensor:
-    return _LinearKeepingParams.apply(x, module.weight, module.bias, grad_out)
-
-
-class _InstanceForward:
-    """Handle that takes back an instance-level forward set by the coordinator."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-
-    def remove(self) -> None:
-        self.module.__dict__.pop("forward", None)
 
 
 class _AfterBackward:

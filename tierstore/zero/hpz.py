@@ -28,7 +28,7 @@ the data-parallel group.
   holds int8 codes and per-block scales (quant.collectives.pack_pieces, 1 byte per element plus 4 bytes per
   block): each run of the node slice that was one rank's primary shard is quantized with the blocks the
   primary all-gather used, so requantizing the values that all-gather dequantized reproduces its codes and
-  the scales to within a few float32 ulps (docs/zero.md gives the measured difference).
+  the scales to within a few float32 ulps.
 - Memory and tier: ``numel / k`` elements per bucket (the compute dtype without qwZ; the packed int8 with
   it), kept from step to step -- ``HpzStats.secondary_bytes``. It lives on the
   compute device when the parameters' tier is 'device' (what a backward gather reads without a copy, as in

@@ -12,13 +12,11 @@ one's fp32 master bytes, and sub_group_bytes), the readers also load further ahe
 come to at most ``ahead`` x unit_bytes: sub-groups much smaller than sub_group_bytes (a bucket per 4 MiB
 layer) would otherwise leave the readers idle while each is stepped, and the disk with them -- the same bound
 in bytes as ``ahead`` full sub-groups. Two reader threads load, in the order submitted: a sub-group's reads
-drain to nothing at its end, and with one reader the disk sat idle there -- a fifth of the step at 256M
-(4 MiB sub-groups); with two, the next sub-group's reads are queued meanwhile (256M dynamic8: the disk busy
-86% of the step instead of 72-78%, the same peak RSS; bench/README.md). The bound above holds whatever the
-number of readers: it counts the loads submitted, not those running, and needs each sub-group's real size
-(sized 0, nothing would bound the reads ahead but the readers' own speed). An error in
-any stage stops the pipeline, waits for the writes already submitted (so nothing is
-half-written when the call returns) and is raised.
+drain to nothing at its end, and with one reader the disk would sit idle there; with two, the next
+sub-group's reads are queued meanwhile. The bound above holds whatever the number of readers: it counts the
+loads submitted, not those running -- so the sizes given must be the real ones (a size of 0 would leave
+the reads ahead bounded by nothing but the reader's own speed). An error in any stage stops the pipeline,
+waits for the writes already submitted (so nothing is half-written when the call returns) and is raised.
 """
 from __future__ import annotations
 
@@ -98,25 +96,24 @@ def _profiled(name: str, fn, *args):
 
 class StepStream:
     """The step pipeline fed one sub-group at a time, as each becomes ready ([Note: overlapped step] in
-    optimizer.py): ``submit(item, nbytes)`` loads it on a reader thread, steps it on a compute thread and saves it
+    overlap.py): ``submit(item, nbytes)`` loads it on a reader thread, steps it on a compute thread and saves it
     on a writer thread, in the order submitted, while the caller goes on (backward). ``wait`` returns the items
     done since the last wait, or raises the first error after every item submitted has finished (nothing is
     left half-written).
 
     [Note: the stream's queue is in bytes]
     Two bounds keep the memory held finite. At most `depth` sub-groups are loaded and not yet saved (the one
-    reader takes a slot before it loads, so slots go in submission order; a second reader, measured alternately at
-    256M, changed nothing within the disk's noise -- busy 85-99% with one during backward -- while its reads queue
-    in front of the parameter reads backward waits for). And ``submit`` waits while the sub-groups submitted and
-    not yet saved come to more than `queue_bytes` (their `nbytes`, whatever the caller counts: the optimizer
-    counts the bytes of each sub-group's fp32 master on this rank, against pipeline_depth x sub_group_bytes) --
-    back-pressure on the caller; one sub-group is always admitted. StepPipeline reads ahead in bytes too ([Note:
+    reader takes a slot before it loads, so slots go in submission order; during backward one reader keeps the
+    disk busy, and a second one's reads would queue in front of the parameter reads backward waits for). And
+    ``submit`` waits while the sub-groups submitted and not yet saved come to more than `queue_bytes` (their
+    `nbytes`, whatever the caller counts: the optimizer counts the bytes of each sub-group's fp32 master on this
+    rank, against pipeline_depth x sub_group_bytes) -- back-pressure on the caller; one sub-group is always
+    admitted. StepPipeline reads ahead in bytes too ([Note:
     step pipeline]).
-    A bound in sub-groups alone would make the caller wait at every small one: with a bucket per layer, 4 MiB
-    each, a depth of 3 held backward up whenever the disk was the slower, and left the disk idle wherever
-    backward's compute was -- measured at 256M (linear layers of 1M parameters), the reader idle 0.7 s of a
-    3.5 s backward while backward computed, then backward waiting for the reader. Queued in bytes, backward
-    runs ahead through the sub-groups the disk is behind on and the reader catches up while backward computes."""
+    A bound in sub-groups alone would make the caller wait at every small one: with a bucket per small layer,
+    a depth of 3 holds backward up whenever the disk is the slower, and leaves the disk idle wherever
+    backward's compute is. Queued in bytes, backward runs ahead through the sub-groups the disk is behind on
+    and the reader catches up while backward computes."""
 
     def __init__(self, depth: int, load: Callable[[Any], Any], compute: Callable[[Any, Any], Any],
                  save: Callable[[Any, Any], None], *, queue_bytes: int = 0):

@@ -35,8 +35,7 @@ per module); the forward's end releases it.
 
 [Note: reading ahead by bytes]
 A depth in modules fits layers of tens of MiB. For small ones (a 1024-wide Linear is 4 MiB) two modules
-ahead is two requests in flight: measured on this machine's disk at 256M parameters in 4 MiB layers, the
-forward read at about 1 GiB/s with the disk busy a third of the time. So beyond the depth the read stage
+ahead is two requests in flight, too few to keep a disk busy. So beyond the depth the read stage
 goes on to further modules while the shards read ahead and not yet used add up to at most `read_bytes`
 (OffloadConfig.prefetch_bytes), looking at most READ_AHEAD_MAX modules past the depth, and the reads run
 on READ_WORKERS threads, so that several are in flight at once. Everything read beyond the depth is bounded

@@ -38,7 +38,7 @@ def release_model(opt) -> torch.nn.Module:
     values = {n: torch.empty(lay.specs[n][0], dtype=torch.float32) for n in opt._params}  # CPU, full
     for gid in range(len(lay.subgroups)):
         b = lay.bucket(gid)
-        shard = opt._read_master(gid).to(opt.device)
+        shard = opt.shards.read_master(gid).to(opt.device)
         full = torch.empty(b.numel, dtype=torch.float32, device=opt.device)
         _dist.all_gather(shard, full, opt.group, quantized=False)  # exact values: never qwZ here
         del shard
@@ -73,7 +73,7 @@ def abandon(opt) -> None:
         lambda: restore_zero_grad(opt),
         lambda: opt.coordinator.remove() if hasattr(opt, "coordinator") else None,
         lambda: opt.module_state.remove() if hasattr(opt, "module_state") else None,
-        lambda: opt._stream.close() if getattr(opt, "_stream", None) is not None else None,
+        lambda: opt.overlap.close() if getattr(opt, "overlap", None) is not None else None,
         lambda: opt.activations.close() if getattr(opt, "activations", None) is not None else None,
         lambda: opt._stepper.close() if hasattr(opt, "_stepper") else None,
         lambda: opt.store.close(flush=False) if getattr(opt, "store", None) is not None else None,

@@ -15,7 +15,7 @@ there, by the quantizers' torch kernels (the same bytes as the C kernels; tests/
 With AdamW over 8-bit states on nvme, unpacking exp_avg / exp_avg_sq to fp32 on the reader thread,
 stepping, and packing them again on the writer thread takes three passes and about twice the CPU of the
 fused native kernel of quant.states ([Note: fused 8-bit step] there: decode, update, encode per block of
-256 in one pass; figures in bench/README.md). So, when the inner optimizer is AdamW in a form that kernel
+256 in one pass). So, when the inner optimizer is AdamW in a form that kernel
 computes (see fused8_capable) and a sub-group's two moments are both 8-bit, the packed buffers read from
 the store are stepped in place and written back as they are. The arithmetic is torch's fused CPU AdamW
 element by element (up to the 1-ulp lerp difference documented there), whichever AdamW implementation the

@@ -11,25 +11,24 @@ step allocates (and page-faults) nothing in steady state -- and written back wit
 
 [Note: masters at hand]
 With fp32 compute at world size 1 and the parameters on the states' tier, the bucket backward gathers *is*
-the master shard read from the store ([Note: shared master] in optimizer.py). When backward releases such
+the master shard read from the store ([Note: shared master] in shards.py). When backward releases such
 a bucket read from nvme and nothing else refers to its memory (no view saved by autograd: the storage's
-use count says so), the optimizer offers it here (``offer``): the last ones offered are kept, at most
-``reuse_bytes`` (OffloadConfig) of them, and the step's ``load`` takes one instead of reading the master
-again -- the same bytes, so the step is unchanged; the overlapped step ([Note: overlapped step]) takes its
-sub-group's when the stream loads it, so there the budget also covers the stream's queue ([Note: the stream's
-queue is in bytes] in pipeline.py: a master dropped while its sub-group waited was read again, +0.63 GiB per
-step at 256M). Anything that writes a master drops them first
-(``drop_at_hand``: zero_grad, the end of step, gathered(), loading a state).
+use count says so), the model's shards hear it (``bucket_released``, [Note: hook events] in events.py) and
+offer it here (``offer``): the last ones offered are kept, at most ``reuse_bytes`` (OffloadConfig) of them,
+and the step's ``load`` takes one instead of reading the master again -- the same bytes, so the step is
+unchanged; the overlapped step ([Note: overlapped step] in overlap.py) takes its sub-group's when the stream
+loads it, so there the budget also covers the stream's queue ([Note: the stream's queue is in bytes] in
+pipeline.py): a master dropped while its sub-group waited would be read again. Anything that writes a master
+drops them first (``drop_at_hand``: zero_grad, the end of step, gathered(), loading a state).
 
 [Note: stepped masters kept for the forward]
 The same masters, the other way round: with the parameters sharing the master ([Note: shared master] in
-optimizer.py) on a tier that is not memory, the next forward's first reads are the masters this step just
-wrote -- 115 MB a step read back at once for a 29.5M-parameter GPT, most of the 58 ms the forward then waited
-for its prefetch (py-spy). So ``save`` keeps the master buffers of the sub-groups the optimizer names
-(``keep_for_forward``: the ones the forward trace uses first, as many as fit in ``reuse_bytes`` and in
-``prefetch_bytes`` -- the reads ahead right after the step would hold that much of them anyway, [Note:
-prefetch after the step] in prefetch.py; a budget of reuse_bytes alone, 128 MiB, made bench scale's peak RSS
-1.11x from 252M to 1046M instead of 1.05x), and the optimizer's parameter fetch takes one (``take_kept``)
+shards.py) on a tier that is not memory, the next forward's first reads are the masters this step just
+wrote, read back at once while the forward waits for its prefetch. So ``save`` keeps the master buffers of
+the sub-groups in ``keep_for_forward`` (set by the model's shards at each forward's end: the ones the forward
+trace uses first, as many as fit in ``reuse_bytes`` and in ``prefetch_bytes`` -- the reads ahead right after
+the step would hold that much of them anyway, [Note: prefetch after the step] in prefetch.py, and a larger
+budget would grow the peak memory with the model), and the parameter fetch takes one (``take_kept``)
 instead of reading it. The buffer is lent to the
 master's write ([Note: lent tensors] in tiers/nvme/writes.py): it stays counted as lent, is not recycled into
 the pool when the write gives it back (``Returns(kept=)``), and ``take_kept`` hands it out only once the
@@ -39,8 +38,18 @@ One is kept only once its put has returned, so what is kept is always the store'
 a sub-group drops the one kept for it first, and whatever writes a master outside the step drops them all
 (``drop_kept``: a model or optimizer state loaded, a checkpoint, gathered(modifier_rank=)). Memory: at most
 that budget of buffers out of the pool from the step to the forward (at world size 1 the buffer taken goes
-on as the forward's bucket, may be kept at the turn and taken by the next step as a master at hand); bench
-figures in bench/README.md, "Ninth session".
+on as the forward's bucket, may be kept at the turn and taken by the next step as a master at hand).
+
+[Note: step paths]
+Which way a sub-group is stepped is decided by the configuration and the moment, not by the caller; each way
+has a name, and ``paths`` counts the sub-group steps that took it (``OptimizerStats.step_paths``). A step
+counts once under the way it was driven -- "in-place" ([Note: one inner step for memory tiers]), "inline"
+(memory tiers, one sub-group at a time on the caller's thread), "pipelined" ([Note: step pipeline] in
+pipeline.py) or "overlapped" (during backward, [Note: overlapped step] in overlap.py) -- and once more under
+each of these it took: "first" (no states yet: the inner optimizer's initial ones), "fused8" ([Note: fused
+8-bit step in ZeRO-3] in state8.py), "partly-skipped" ([Note: skipped parameters] in skipped.py),
+"masters-at-hand" ([Note: masters at hand]), "shared-master" (no parameter shard written: [Note: shared
+master] in shards.py) and "kept-for-forward" ([Note: stepped masters kept for the forward]).
 """
 from __future__ import annotations
 
@@ -49,9 +58,11 @@ import math
 import threading
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -61,16 +72,19 @@ from . import keys
 from .disk_bytes import DiskBytes
 from .pipeline import StepPipeline
 from .skipped import SkippedParams
-from .state8 import EightBitStates
+from .state8 import EightBitStates, fused8_capable
+
+if TYPE_CHECKING:
+    from ..store import Store
+    from .config import OffloadConfig
 
 # [Note: the inner step's implementation on the CPU]
 # The step runs where the master and states it steps are: on the CPU for states on the host tier (nvme
 # states are read into buffers on the model's device), and torch's optimizers pick their implementation
 # by the tensors' device when the user names none (foreach=None, fused=None): the single-tensor for-loop
 # on the CPU. With the model on an accelerator the user's own torch baseline runs foreach kernels there,
-# so this would be a slow path tierstore introduced, silently: on an H200 machine (16 cores), AdamW.step
-# took 0.31 s per step over a 304M-parameter GPT's states with the for-loop, 0.07-0.08 s with fused=True
-# (torch.profiler; bench/README.md "Accelerator checks"). fused=True is not chosen for the user -- its
+# so this would be a slow path tierstore introduced, silently: the for-loop is several times slower than
+# the fused CPU kernel over a large model's states. fused=True is not chosen for the user -- its
 # results differ from the for-loop's (and from torch's default) in the last bit, and drop-in means
 # torch's results for torch's arguments -- so the first step says so, once.
 
@@ -107,17 +121,15 @@ class BufferPool:
     A buffer lent to a write ([Note: lent tensors] in tiers/nvme/writes.py) comes back only when the disk has
     its bytes, and ``put`` returns at once: nothing else holds back whoever lends them, so when the reads
     outpace the writes (an NVMe that reads faster than it writes) the step's written buffers could pile up in
-    memory as far as the whole step's bytes. (The 1.9 GiB peak RSS at 1B that first suggested it, with two step
-    readers, also had unbounded reads ahead -- [Note: step pipeline] in pipeline.py -- so how much of it was
-    lent buffers is not known.) So ``lent(tensors)`` counts the buffers about to be lent until given back and
-    first waits while those out on loan come to more than `lend_bytes` (one loan always goes out); the step's
-    writer and backward's gradient writes wait there for the disk.
+    memory as far as the whole step's bytes. So ``lent(tensors)`` counts the buffers about to be lent until
+    given back and first waits while those out on loan come to more than `lend_bytes` (one loan always goes
+    out); the step's writer and backward's gradient writes wait there for the disk.
 
     [Note: only the pool's own buffers are recycled]
     A buffer given back is kept for a later take() only if this pool allocated it: states the inner optimizer
     created on its first step (torch's allocator) are 4 KiB-aligned too, and once in the free lists they
-    went round every step after -- memory without huge pages, whose every 4 KiB page an O_DIRECT request pins
-    one by one (29% of the overlapped step's writer thread on a 29.5M GPT, with perf). The pool's own
+    would go round every step after -- memory without huge pages, whose every 4 KiB page an O_DIRECT request
+    pins one by one, a large share of the writer thread's time. The pool's own
     buffers are advised for huge pages (host.aligned_mapping); which they are is known by a weak reference to
     each one's mapping, keyed by address: alive, the memory at that address is that mapping.
     """
@@ -229,45 +241,78 @@ class LoadedSubgroup:
     fused: bool  # stepped by the fused 8-bit kernel ([Note: fused 8-bit step in ZeRO-3] in state8.py)
     master_out: torch.Tensor | None = None
     new_state: dict = field(default_factory=dict)  # state key -> tensor or scalar, after the step
+    paths: list[str] = field(default_factory=list)  # the ways it is stepped ([Note: step paths])
 
     def close(self) -> None:
         self.stack.close()
 
 
+@dataclass(frozen=True)
+class StepContext:
+    """What the sub-group stepper works with. `placeholder`: gid -> the inner optimizer's flat placeholder
+    (empty outside the step); `gid_group`: gid -> its index in inner.param_groups; `templates`: each group's
+    eager initial state; `shard_numel`: gid -> elements of its master on this rank; `shared_master`: [Note:
+    shared master] in shards.py; `fused8`: 8-bit AdamW states are stepped by the fused kernel where they can
+    be ([Note: fused 8-bit step in ZeRO-3] in state8.py); `disk`: [Note: disk bytes by kind]."""
+
+    store: Store
+    config: OffloadConfig
+    inner: torch.optim.Optimizer
+    placeholder: dict[int, torch.Tensor]
+    gid_group: dict[int, int]
+    templates: list[dict]
+    states8: EightBitStates
+    skipped: SkippedParams
+    buffers: BufferPool
+    shard_numel: Callable[[int], int]
+    shared_master: bool
+    fused8: bool
+    device: torch.device
+    disk: DiskBytes
+
+    @classmethod
+    def build(cls, store, config, layout, inner: torch.optim.Optimizer, placeholder: dict[int, torch.Tensor],
+              gid_group: dict[int, int], templates: list[dict], optimizer_kwargs: dict, rank: int,
+              device: torch.device) -> StepContext:
+        """The context of `inner` (built over `placeholder`, inner.py) with the parts the configuration asks for."""
+        policy = None
+        if config.state_codec == "dynamic8":
+            from ..quant.states import StatePolicy
+            policy = StatePolicy.make()
+        buffers = BufferPool(device, 2 * config.pipeline_depth,  # [Note: lent buffers are bounded]
+                             lend_bytes=2 * config.pipeline_depth * config.sub_group_bytes)
+        # the (de)quantization kernels use their own default threads (all cores) on the pipeline's threads
+        states8 = EightBitStates(store, config.optimizer_states, policy, buffers, nthreads=None)
+        skipped = SkippedParams(layout, rank, type(inner), optimizer_kwargs, inner.param_groups, templates, device)
+        fused8 = policy is not None and tier_info(config.optimizer_states).holds_encoded_bytes and fused8_capable(
+            type(inner), inner.param_groups, device)
+        shared = config.compute_dtype == torch.float32 and config.params == config.optimizer_states
+        return cls(store, config, inner, placeholder, gid_group, templates, states8, skipped, buffers,
+                   shard_numel=layout.shard_numel, shared_master=shared, fused8=fused8, device=device,
+                   disk=DiskBytes(store))
+
+
 class SubgroupStepper:
     """Loads, steps and saves sub-groups, and knows which states the store holds for each (``state_keys``)
-    and the non-tensor state the inner optimizer keeps (``aux``). `placeholder`: gid -> the inner
-    optimizer's flat placeholder (empty outside the step); `gid_group`: gid -> its index in
-    inner.param_groups; `templates`: each group's eager initial state; `shard_numel`: gid -> elements of its
-    master on this rank."""
+    and the non-tensor state the inner optimizer keeps (``aux``)."""
 
-    def __init__(self, store, config, inner: torch.optim.Optimizer, placeholder: dict[int, torch.Tensor],
-                 gid_group: dict[int, int], templates: list[dict], states8: EightBitStates,
-                 skipped: SkippedParams, buffers: BufferPool, *, shard_numel: Callable[[int], int],
-                 shared_master: bool, fused8: bool, device: torch.device, disk: DiskBytes):
-        self.store = store
-        self.config = config
-        self.inner = inner
-        self.placeholder = placeholder
-        self.gid_group = gid_group
-        self.shard_numel = shard_numel
-        self.templates = templates
-        self.states8 = states8
-        self.skipped = skipped
-        self.buffers = buffers
-        self.shared_master = shared_master
-        self.fused8 = fused8
-        self.device = device
-        self.disk = disk  # [Note: disk bytes by kind]
+    def __init__(self, ctx: StepContext):
+        self.store, self.config, self.inner = ctx.store, ctx.config, ctx.inner
+        self.placeholder, self.gid_group, self.templates = ctx.placeholder, ctx.gid_group, ctx.templates
+        self.states8, self.skipped, self.buffers = ctx.states8, ctx.skipped, ctx.buffers
+        self.shard_numel, self.shared_master, self.fused8 = ctx.shard_numel, ctx.shared_master, ctx.fused8
+        self.device, self.disk = ctx.device, ctx.disk  # disk: [Note: disk bytes by kind]
+        config = ctx.config
         self.state_keys: dict[int, list[str]] = {}  # gid -> tensor states in the store (absent: never stepped)
         self.aux: dict[int, dict] = {}  # gid -> non-tensor states (kept here, not in the store)
         self.fused_steps = 0  # sub-group steps done by the fused 8-bit kernel (OptimizerStats)
+        self.paths: Counter[str] = Counter()  # [Note: step paths]
         self._pipeline = StepPipeline(config.pipeline_depth, config.sub_group_bytes)  # [Note: step pipeline]
         self._at_hand: dict[int, torch.Tensor] = {}  # gid -> its master's values ([Note: masters at hand])
         self._hand_lock = threading.Lock()  # offered on the main thread, taken on the pipeline's reader
         self.masters_at_hand = 0  # masters a step took from backward instead of reading them (tests)
         # [Note: stepped masters kept for the forward]
-        self.keep_for_forward: Callable[[], frozenset[int]] | None = None  # the gids to keep; None: none
+        self.keep_for_forward: frozenset[int] = frozenset()  # the gids whose stepped masters save keeps
         self._kept: dict[int, tuple[torch.Tensor, Returns]] = {}  # gid -> its stepped master, the loan's return
         self.masters_kept = 0  # masters the forward took from the step instead of reading them
         self._inline = StepPipeline(1)  # nothing on nvme: the reads and writes are pointer moves, threads only cost
@@ -277,6 +322,40 @@ class SubgroupStepper:
         self._pipeline.close()
         self.drop_at_hand()
         self.drop_kept()
+
+    # -- a sub-group's state in and out ([Note: checkpoint interface] in optimizer.py) ----------------------
+    def export(self, gid: int) -> dict:
+        """Sub-group `gid`'s state on this rank as CPU tensors (Zero3Optimizer.export_subgroup)."""
+        names = self.state_keys.get(gid, [])
+        got = self.store.get_many([keys.master(gid)] + [keys.state(gid, k) for k in names], device="cpu")
+        q8 = self.states8
+        state = {}
+        for k in names:
+            v = got[keys.state(gid, k)]
+            state[k] = q8.unpack(gid, k, v, torch.empty(q8.packed[(gid, k)][1])) if q8.is_packed(gid, k) else v
+        return {"master": got[keys.master(gid)], "state": state, "aux": dict(self.aux.get(gid, {}))}
+
+    def import_(self, gid: int, master: torch.Tensor, state: dict, aux: dict) -> None:
+        """Replace sub-group `gid`'s master (and parameter shard), states and aux state on this rank
+        (Zero3Optimizer.import_subgroup)."""
+        cfg = self.config
+        self.drop_at_hand()
+        self.drop_kept()
+        master = master.to(self.device, torch.float32)
+        self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
+        if not self.shared_master:
+            self.store.put(keys.param(gid), master.to(cfg.compute_dtype), tier=cfg.params)
+        for k in self.state_keys.get(gid, []):
+            if keys.state(gid, k) in self.store:
+                self.store.delete(keys.state(gid, k))
+            self.states8.forget(gid, k)  # put() below says again which of the new ones are packed
+        for k, v in state.items():
+            self.states8.put(gid, k, v.to(self.device))
+        if state:
+            self.state_keys[gid] = list(state)
+        else:  # a sub-group no step reached: its states are created by its first step, as in a new run
+            self.state_keys.pop(gid, None)
+        self.aux[gid] = dict(aux)
 
     def offer(self, gid: int, master: torch.Tensor, budget: int) -> None:
         """`master` holds sub-group `gid`'s master values, and nothing else refers to it: keep it for the
@@ -337,8 +416,9 @@ class SubgroupStepper:
                 and all(gid in self.state_keys for gid in gids)):
             self._step_in_place(gids, coef)  # [Note: one inner step for memory tiers]
         else:
+            path = "pipelined" if on_disk else "inline"
             (self._pipeline if on_disk else self._inline).run(
-                gids, self.load, lambda gid, t: self.step_loaded([t], coef)[0], lambda gid, t: self.save(t),
+                gids, self.load, lambda gid, t: self.step_loaded([t], coef, path)[0], lambda gid, t: self.save(t),
                 sizes=[4 * self.shard_numel(gid) for gid in gids])  # fp32 master bytes ([Note: step pipeline])
 
     def _step_in_place(self, gids: list[int], coef: float) -> None:
@@ -346,7 +426,7 @@ class SubgroupStepper:
         try:
             for gid in gids:
                 loaded.append(self.load(gid))
-            self.step_loaded(loaded, coef)
+            self.step_loaded(loaded, coef, "in-place")
         except BaseException:
             for t in loaded:
                 t.close()
@@ -410,11 +490,13 @@ class SubgroupStepper:
         except BaseException:
             stack.close()
             raise
-        return LoadedSubgroup(gid, got, resident, stack, names, fused)
+        return LoadedSubgroup(gid, got, resident, stack, names, fused,
+                              paths=["masters-at-hand"] if at_hand is not None else [])
 
-    def step_loaded(self, items: list[LoadedSubgroup], coef: float) -> list[LoadedSubgroup]:
+    def step_loaded(self, items: list[LoadedSubgroup], coef: float, path: str) -> list[LoadedSubgroup]:
         """Step the loaded sub-groups `items` with one inner.step() over their placeholders (the fused 8-bit
-        ones with the native kernel); each gains `new_state` and `master_out`."""
+        ones with the native kernel); each gains `new_state` and `master_out`. `path`: how the step is driven
+        ([Note: step paths])."""
         staged: list[tuple[LoadedSubgroup, torch.Tensor]] = []
         kept: dict[int, list] = {}  # id(placeholder) -> SkippedParams.keep's
         stepped = False
@@ -427,11 +509,13 @@ class SubgroupStepper:
                     grad = grad.to(master.device, master.dtype)  # [Note: gradient dtype on nvme]
                 if coef != 1.0:
                     grad.mul_(coef)
+                t.paths[:0] = [path] + (["first"] if not t.state_keys and not self.aux.get(gid) else [])
                 if t.fused:
                     self.states8.adamw_step(gid, got, master, grad, self.inner.param_groups[self.gid_group[gid]])
                     t.new_state = {k: got[k] for k in t.state_keys}
                     t.master_out = master
                     self.fused_steps += 1
+                    t.paths.append("fused8")
                     continue
                 ph = self.placeholder[gid]
                 ph.data = master
@@ -453,6 +537,7 @@ class SubgroupStepper:
                 keep = self.skipped.keep(gid, self.gid_group[gid], master, state)  # [Note: skipped parameters]
                 if keep:
                     kept[id(ph)] = keep
+                    t.paths.append("partly-skipped")
             if staged and not self._path_checked:
                 self._path_checked = True
                 msg = cpu_path_warning(self.inner, self.gid_group[staged[0][0].gid], staged[0][1].device,
@@ -479,9 +564,9 @@ class SubgroupStepper:
     # [Note: the inner step sees only what it steps]
     # torch's optimizers walk every parameter of every group on each step() (``_init_group``: is there a
     # grad, is the state there), so stepping sub-group by sub-group over groups holding one placeholder per
-    # sub-group costs O(sub-groups) per call and O(sub-groups^2) per step (544 sub-groups: 0.56 ms of
-    # ``_init_group`` per call before, 0.025 ms after, cProfile). For the call, each group's "params" lists only the
-    # placeholders being stepped; the lists are put back after (the hyperparameters are the same dicts).
+    # sub-group costs O(sub-groups) per call and O(sub-groups^2) per step. For the call, each group's "params"
+    # lists only the placeholders being stepped; the lists are put back after (the hyperparameters are the same
+    # dicts).
 
     def _inner_step(self, phs: list[torch.Tensor], groups: list[int]) -> None:
         pgs = self.inner.param_groups
@@ -504,8 +589,8 @@ class SubgroupStepper:
         assert master is not None  # step_loaded() fills it before save()
         with self._hand_lock:
             self._kept.pop(gid, None)  # its value changes now ([Note: stepped masters kept for the forward])
-        keep = (self.keep_for_forward is not None and "master" not in resident
-                and master.data_ptr() == got["master"].data_ptr() and gid in self.keep_for_forward())
+        keep = ("master" not in resident and master.data_ptr() == got["master"].data_ptr()
+                and gid in self.keep_for_forward)
         back = Returns(self.buffers, [v for role, v in got.items() if role not in resident],
                        kept=got["master"] if keep else None)
         self.buffers.lent(back.tensors)  # [Note: lent buffers are bounded]
@@ -518,7 +603,7 @@ class SubgroupStepper:
                         self._kept[gid] = (got["master"], back)
             pname = keys.param(gid)
             if self.shared_master:
-                pass
+                t.paths.append("shared-master")
             elif self._on_memory(pname, cfg.params):
                 with self.store.tensor(pname).resident(cfg.params, writeback=True) as p:
                     _copy(p, master)
@@ -540,6 +625,8 @@ class SubgroupStepper:
                     aux[k] = v
             self.state_keys[gid] = names
             self.aux[gid] = aux
+            with self._hand_lock:
+                self.paths.update(t.paths + ["kept-for-forward"] * keep)  # [Note: step paths]
         finally:
             t.close()
             back.done()  # the buffers go back to the pool once the writes lent them are done
