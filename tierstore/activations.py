@@ -287,8 +287,8 @@ class ActivationOffload:
                 self._tmp = tempfile.mkdtemp(prefix="tierstore-act-")
                 given = [self._tmp]
             try:
-                store = Store(given, host_budget=None if tier == "host" else 0, device_budget=0,
-                              pinned_budget=pinned_bytes, lock_memory=tier == "host", workers=1)
+                store = Store(given, budgets={"host": None if tier == "host" else 0, "device": 0,
+                                              "pinned": pinned_bytes}, lock_memory=tier == "host", workers=1)
             except BaseException:  # what only trying tells (the page-lock limit): our own directory goes
                 if self._tmp is not None:
                     shutil.rmtree(self._tmp, ignore_errors=True)

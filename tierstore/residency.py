@@ -284,8 +284,8 @@ class Residency:
         for t in TIERS:
             b = self._tiers[t].budget
             lim = "unlimited" if b.limit is None else str(b.limit)
-            parts.append(f"{t}_budget={lim} ({b.used} used)")
-        return ", ".join(parts)
+            parts.append(f"{t!r}: {lim} ({b.used} used)")
+        return "budgets={" + ", ".join(parts) + "}"
 
     def _full_error(self, tier: str | None, p: Placement) -> TierFullError:
         where = f"on the {tier} tier" if tier else "on any tier"

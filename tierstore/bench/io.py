@@ -573,13 +573,13 @@ def paths_workload(work: str, nbytes: int, closers: list) -> _PathCases:
 
     # A trainer puts the same names every step: each put goes to free space of the store's extent file that
     # earlier versions used (copy-on-write), as the engine's reference overwrites its laid-out file.
-    with Store(sdir, host_budget=0) as s:
+    with Store(sdir, budgets={"host": 0}) as s:
         for _ in range(3):
             s.put("x", aligned, "nvme")
             s.flush()
 
     def put():
-        with Store.open(sdir, host_budget=0) as s:
+        with Store.open(sdir, budgets={"host": 0}) as s:
             t0 = time.perf_counter()
             s.put("x", aligned, "nvme")
             s.flush()
@@ -587,7 +587,7 @@ def paths_workload(work: str, nbytes: int, closers: list) -> _PathCases:
 
     def get(into):
         def one():
-            with Store.open(sdir, host_budget=0) as s:
+            with Store.open(sdir, budgets={"host": 0}) as s:
                 drop_page_cache(extent_files())
                 t0 = time.perf_counter()
                 got = s.get("x", out=into)

@@ -213,8 +213,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
             paths = [self._tmpdir]
         tiers = {config.params, config.optimizer_states, config.gradients}
         # starts empty (a previous run's states are not this run's) once it locked every directory (else MisuseError)
-        self.store = Store(paths, device_budget=None if "device" in tiers else 0,
-                           host_budget=None if "host" in tiers else 0, pinned_budget=config.pinned_bytes,
+        self.store = Store(paths, budgets={"device": None if "device" in tiers else 0,
+                                           "host": None if "host" in tiers else 0, "pinned": config.pinned_bytes},
                            device=self.device, io_tuning=config.io_tuning, _fresh=True)
         for _n, b in model.named_buffers():
             if b.is_floating_point() and b.dtype != cdt:
