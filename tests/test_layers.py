@@ -28,7 +28,7 @@ STORE_MODULES = ["tierstore.encoding", "tierstore.manifest", "tierstore.zarr_io"
                  "tierstore.residency", "tierstore.tensor", "tierstore.store_args", "tierstore.store",
                  "tierstore.tiers", "tierstore.tiers.base", "tierstore.tiers.device", "tierstore.tiers.host",
                  "tierstore.tiers.nvme", "tierstore.io", "tierstore.io.engine", "tierstore.io.pieces",
-                 "tierstore.io.backends"]
+                 "tierstore.io.backends", "tierstore.io.tune"]
 
 
 def _rank(module: str) -> int | None:
@@ -100,3 +100,12 @@ def test_each_module_imports_alone():
                        env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 0 and not r.stdout.strip(), r.stdout[-3000:] + r.stderr[-2000:]
 
+
+@pytest.mark.parametrize("module", ["tierstore.demo", "tierstore.info", "tierstore.io.tune", "tierstore.gpt",
+                                    "tierstore.plot", "tierstore._report"])
+def test_the_commands_outside_bench_import_nothing_from_it(module):
+    """`tierstore demo`, `info` and `tune` (and what they share with the benchmarks) stand on their own: the
+    benchmarks import them, never the other way round."""
+    from_bench = [(n, line) for n, line in _imports(module) if n == "tierstore.bench" or
+                  n.startswith("tierstore.bench.")]
+    assert not from_bench, f"{module} imports from tierstore.bench: {from_bench}"
