@@ -61,6 +61,8 @@ def test_a_full_tier_names_every_budget(tmp_path):
                                              r"at most 1 << 60 bytes, or None for no limit"),
     ({"nvme": MAX_BUDGET + 1}, TierstoreValueError, r"budgets\['nvme'\]=.*more than any machine holds"),
     ({"device": 2 ** 70}, TierstoreValueError, r"budgets\['device'\]=.*more than any machine holds"),
+    ({"pinned": 2 ** 70}, TierstoreValueError, r"budgets\['pinned'\]=\d+ bytes is more than any machine holds: pass "
+                                               r"at most 1 << 60 bytes$"),
 ])
 def test_a_wrong_budget_is_refused_naming_it(tmp_path, budgets, err, match):
     with pytest.raises(err, match=match):

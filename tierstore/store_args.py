@@ -106,9 +106,10 @@ def store_budgets(budgets, old: dict) -> dict[str, int | None]:
         if v is not None and (v < 0 or (v == 0 and name == "pinned")):
             raise TierstoreValueError(f"{where} must be {'>= 1' if name == 'pinned' else '>= 0'} bytes")
         if v is not None and v > MAX_BUDGET:
+            none = "" if name == "pinned" else ", or None for no limit"
             raise TierstoreValueError(f"{where} bytes is more than any machine holds: pass at most 1 << 60 "
-                                      "bytes, or None for no limit")
-    return {name: given.get(name, DEFAULT_BUDGETS[name]) for name in BUDGET_NAMES}
+                                      f"bytes{none}")
+    return {name: given.get(name, DEFAULT_BUDGETS.get(name)) for name in BUDGET_NAMES}
 
 
 def check_sizes(**sizes) -> None:
