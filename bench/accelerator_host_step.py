@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from accelerator_step import gpt_task  # noqa: E402
 
-from tierstore.bench import gpt  # noqa: E402
+from tierstore import gpt  # noqa: E402
 from tierstore.zero import OffloadConfig, Zero3Optimizer  # noqa: E402
 
 PIECE = 16 << 20  # elements per piece of the accelerator-side step (64 MiB of fp32)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tierstore.bench import gpt  # noqa: E402
+from tierstore import gpt  # noqa: E402
 from tierstore.bench._case import TIERSTORE_CASES, tier_bytes  # noqa: E402
 from tierstore.tiers.device import default_device  # noqa: E402
 from tierstore.zero import OffloadConfig, Zero3Optimizer  # noqa: E402

@@ -41,7 +41,7 @@ def main() -> int:
     def cpu() -> float:
         t = os.times()
         return t.user + t.system
-    with Store(a.dir, host_budget=0) as s:
+    with Store(a.dir, budgets={"host": 0}) as s:
         for _ in range(a.rounds):
             for which, (put, get) in res.items():
                 checksum._native_crc = native if which == "native" else None

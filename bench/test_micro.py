@@ -100,7 +100,7 @@ def test_engine_read_plain_tensor(benchmark, engine, tmp_path):
 
 @pytest.fixture
 def store(tmp_path):
-    s = Store(str(tmp_path / "store"), host_budget=0)
+    s = Store(str(tmp_path / "store"), budgets={"host": 0})
     yield s
     s.close()
 

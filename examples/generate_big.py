@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from tierstore.bench._common import fmt_bytes, parse_size, proc_status
-from tierstore.bench.gpt import HEAD, dir_bytes, ram_bytes, reset_peak_rss, shape_for
+from tierstore.gpt import HEAD, dir_bytes, ram_bytes, reset_peak_rss, shape_for
 from tierstore.zero import Init, OffloadConfig, offload_for_inference
 
 

@@ -17,7 +17,7 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=64, help="MiB of tensors to keep")
     a = p.parse_args()
     layers = {f"layer{i}.weight": torch.randn(a.mib * (1 << 18) // 8) for i in range(8)}  # 8 x mib/8 MiB fp32
-    with tierstore.Store([a.dir], host_budget=(a.mib << 20) // 4) as store:  # memory for a quarter of them
+    with tierstore.Store([a.dir], budgets={"host": (a.mib << 20) // 4}) as store:  # memory for a quarter of them
         for name, t in layers.items():
             store.put(name, t, tier="nvme")
         store.flush()  # durable: a later process can Store.open the directory

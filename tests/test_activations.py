@@ -119,6 +119,7 @@ def test_dtypes_and_layouts_round_trip(act_factory, dtype):
     packed = {}
     with act:
         for name, v in views.items():
+            # private: the pack / unpack hooks called directly, without a graph, to check each layout
             packed[name] = act._pack(v)
     act.wait_writes()
     for name, v in views.items():
@@ -233,6 +234,7 @@ def test_compression_error_is_bounded(act_factory, compress, bound):
     act = act_factory(compress=compress, min_bytes=0)
     t = torch.randn(256, 256)
     with act:
+        # private: the pack / unpack hooks called directly, without a graph
         p = act._pack(t)
     act.wait_writes()  # written: the unpack reads what the store holds
     back = act._unpack(p)
@@ -378,6 +380,7 @@ def test_bookkeeping_per_offloaded_tensor_is_small(act_factory):
         tracemalloc.stop()
     assert act.stats().offloaded - n0 == 49  # x and each ReLU's output (a Linear's input, saved once)
     assert per < 2048, f"{per:.0f} bytes of Python objects per offloaded tensor"
+    # private: the per-save bookkeeping itself is what this checks; stats() does not count it
     live = [r() for r in act._order if r() is not None]
     assert live and all(r.write is None and r.data is None for r in live)
     kept_keys = [r() for r in act._by_storage.values()]  # only x is alive of what was saved: one key is kept
@@ -394,6 +397,7 @@ def test_small_batches_gradients_bit_equal(act_factory, reentrant):
     x = torch.randn(64, 32)
     ref = _grads(_mlp(), x, None, reentrant)
     act = act_factory(min_bytes=1 << 20, small_batch_bytes=8192, mode="all")
+    # private: every unpack made to read the store, not the tensor still in memory
     orig = act._unpack
     act._unpack = lambda p: (act.wait_writes(), orig(p))[1]  # every batch written: read back, not from memory
     got = _grads(_mlp(), x, act, reentrant)
@@ -408,6 +412,7 @@ def test_small_batches_layouts_versions_and_retain_graph(act_factory):
     values = [torch.randn(5, 7), torch.randn(7, 5).t(), torch.arange(10, dtype=torch.int64),
               torch.rand(9) > 0.5, torch.randn(3, 4, dtype=torch.bfloat16), torch.tensor(2.5)]
     with act:
+        # private: the pack / unpack hooks called directly, without a graph, to check each layout
         packed = [act._pack(v) for v in values]
     act.wait_writes()
     for v, p in zip(values, packed):

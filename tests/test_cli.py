@@ -138,8 +138,8 @@ def test_demo_fails_a_budget_it_did_not_keep(tmp_path):
 
 
 def test_demo_big_picks_a_model_bigger_than_the_ram(tmp_path):
-    from tierstore.bench.gpt import count_params, shape_for
     from tierstore.demo import _big_params
+    from tierstore.gpt import count_params, shape_for
     ram = 2 << 30  # bytes
     w, layers = shape_for(_big_params(ram, "fp32"))
     assert 16 * count_params(w, layers, 128) >= 1.5 * ram

@@ -206,7 +206,7 @@ def test_a_store_whose_buffers_are_all_held_raises_instead_of_blocking(tmp_path)
     settled, so the put went through and the next flush() (and close()) waited forever."""
     from tierstore.errors import TierstoreError
     from tierstore.store import Store
-    s = Store(tmp_path / "s", host_budget=0, pinned_budget=2 << 20, buffer_bytes=1 << 20, lock_memory=False)
+    s = Store(tmp_path / "s", budgets={"host": 0, "pinned": 2 << 20}, buffer_bytes=1 << 20, lock_memory=False)
     pool = s._pool  # private: the fault is set up by holding every buffer of the store's own pool
     pool.stall_s = 0.3
     kept: list = []

@@ -15,6 +15,7 @@ BACKENDS = ["threads", "auto"]
 
 def lose_requests(eng: Engine) -> None:
     """The injected fault: the backend accepts pieces and never completes them."""
+    # private: a backend that loses every request, to make the engine stall
     eng._backend.submit_many = lambda pieces: None
 
 
@@ -55,6 +56,7 @@ def test_result_and_wait_all_are_bounded(tmp_path, backend):
 def test_slow_progress_is_not_a_stall(tmp_path):
     """The bound is on time without any completion: a queue that keeps completing is waited for."""
     eng = Engine("threads", queue_depth=1, block_size=4096, stall_timeout=0.5)
+    # private: a backend slowed down, to make the engine stall
     real = eng._backend._run
 
     def slow(p):
@@ -84,6 +86,7 @@ def test_a_pause_without_io_is_not_a_stall(tmp_path):
     buf = torch.arange(2048, dtype=torch.float32)
     eng.write(tmp_path / "a.bin", buf).result()
     time.sleep(0.5)  # idle for longer than the bound
+    # private: a backend slowed down, to make the engine stall
     real = eng._backend.submit_many
 
     def slow(pieces):
@@ -100,7 +103,7 @@ def test_the_nvme_tiers_write_waits_are_bounded(tmp_path, monkeypatch):
     naming it, not a hang."""
     import tierstore
     monkeypatch.setenv("TIERSTORE_IO_STALL_S", "0.5")
-    store = tierstore.Store([tmp_path / "s"], host_budget=0)
+    store = tierstore.Store([tmp_path / "s"], budgets={"host": 0})
     store.put("a", torch.arange(1 << 20, dtype=torch.float32))
     store.flush()
     lose_requests(store._engine)  # private: the injected fault needs the store's engine

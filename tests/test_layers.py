@@ -1,4 +1,4 @@
-"""The store's layers import one way: Store -> residency -> tiers -> io, with the handle, the
+"""The store's layers import one way: Store -> residency -> placement -> tiers -> io, with the handle, the
 manifest, zarr and encoding beside them, and no import circle -- not even one hidden under TYPE_CHECKING."""
 from __future__ import annotations
 
@@ -14,18 +14,21 @@ PKG = os.path.join(ROOT, "tierstore")
 
 # Each module may import only modules of a lower rank (and the leaves any module may use).
 RANK = {
-    "tierstore.store": 6,
-    "tierstore.tensor": 5,
-    "tierstore.zarr_io": 4, "tierstore.manifest": 4,
-    "tierstore.residency": 4,
+    "tierstore.store": 7,
+    "tierstore.store_args": 6,
+    "tierstore.tensor": 6,
+    "tierstore.residency": 5,
+    "tierstore.zarr_io": 4, "tierstore.manifest": 4, "tierstore.placement": 4,
     "tierstore.tiers": 3,  # the package and its modules
     "tierstore.encoding": 2,
     "tierstore.io": 1,
     "tierstore.errors": 0, "tierstore._units": 0, "tierstore._native": 0,
 }
-STORE_MODULES = ["tierstore.encoding", "tierstore.manifest", "tierstore.zarr_io", "tierstore.residency",
-                 "tierstore.tensor", "tierstore.store", "tierstore.tiers", "tierstore.tiers.base",
-                 "tierstore.tiers.device", "tierstore.tiers.host", "tierstore.tiers.nvme"]
+STORE_MODULES = ["tierstore.encoding", "tierstore.manifest", "tierstore.zarr_io", "tierstore.placement",
+                 "tierstore.residency", "tierstore.tensor", "tierstore.store_args", "tierstore.store",
+                 "tierstore.tiers", "tierstore.tiers.base", "tierstore.tiers.device", "tierstore.tiers.host",
+                 "tierstore.tiers.nvme", "tierstore.io", "tierstore.io.engine", "tierstore.io.pieces",
+                 "tierstore.io.backends", "tierstore.io.tune"]
 
 
 def _rank(module: str) -> int | None:
@@ -64,14 +67,15 @@ def test_imports_only_go_down(module):
 
     def allowed(n: str) -> bool:
         r = _rank(n)
-        both_tiers = n.startswith("tierstore.tiers") and module.startswith("tierstore.tiers")
-        return r is None or r < own or both_tiers
+        same_package = any(n.startswith(pkg) and module.startswith(pkg) for pkg in ("tierstore.tiers", "tierstore.io"))
+        return r is None or r < own or same_package
     up = [(n, line) for n, line in _imports(module) if not allowed(n)]
     assert not up, f"{module} imports a layer at or above its own: {up}"
 
 
-def test_residency_knows_nothing_of_the_store_or_the_handle():
-    names = {n for n, _line in _imports("tierstore.residency")}
+@pytest.mark.parametrize("module", ["tierstore.residency", "tierstore.placement"])
+def test_residency_knows_nothing_of_the_store_or_the_handle(module):
+    names = {n for n, _line in _imports(module)}
     assert not {n for n in names if n.startswith(("tierstore.store", "tierstore.tensor", "tierstore.zarr_io"))}
 
 
@@ -95,3 +99,13 @@ def test_each_module_imports_alone():
     r = subprocess.run([sys.executable, "-c", CHILD, *STORE_MODULES], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 0 and not r.stdout.strip(), r.stdout[-3000:] + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module", ["tierstore.demo", "tierstore.info", "tierstore.io.tune", "tierstore.gpt",
+                                    "tierstore.plot", "tierstore._report"])
+def test_the_commands_outside_bench_import_nothing_from_it(module):
+    """`tierstore demo`, `info` and `tune` (and what they share with the benchmarks) stand on their own: the
+    benchmarks import them, never the other way round."""
+    from_bench = [(n, line) for n, line in _imports(module) if n == "tierstore.bench" or
+                  n.startswith("tierstore.bench.")]
+    assert not from_bench, f"{module} imports from tierstore.bench: {from_bench}"

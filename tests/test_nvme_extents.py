@@ -129,7 +129,7 @@ def test_space_is_freed_by_its_last_reader_and_a_freed_extent_cannot_be_read():
 def test_a_full_budget_refuses_and_changes_nothing():
     s = ExtentSpace(64 * P, budget_bytes=2 * P)
     new_extent(s, 1)
-    with pytest.raises(TierFullError, match="raise nvme_budget or delete tensors"):
+    with pytest.raises(TierFullError, match="raise budgets.'nvme'. or delete tensors"):
         s.allocate(2 * P)
     assert s.budget.used == P and s.alloc.ends == [P]
 

@@ -17,8 +17,9 @@ from tierstore.tiers.host import aligned_empty
 MiB = 1 << 20  # bytes
 
 
-def opts(**kw) -> dict:
-    return {"pinned_budget": 4 * MiB, "buffer_bytes": MiB, "lock_memory": False, "host_budget": 0, **kw}
+def opts(budgets=None, **kw) -> dict:
+    return {"budgets": {"pinned": 4 * MiB, "host": 0, **(budgets or {})}, "buffer_bytes": MiB, "lock_memory": False,
+            **kw}
 
 
 def aligned_values(nbytes: int, seed: int) -> torch.Tensor:
@@ -31,6 +32,7 @@ def aligned_values(nbytes: int, seed: int) -> torch.Tensor:
 def spy_writes(s: Store, monkeypatch) -> list[tuple[int, int]]:
     """(address, bytes) of every buffer the store's engine writes from."""
     seen: list[tuple[int, int]] = []
+    # private: a spy on the store's engine, to see which path each write takes
     real = s._engine.write
 
     def write(f, buf, offset=0):
@@ -92,6 +94,7 @@ def test_direct_write_failure_is_reported_by_flush(tmp_path, nbytes, lent):
     s = Store(d, **opts())
     s.put("x", aligned_values(nbytes, 3), "nvme")
     s.flush()
+    # private: the fault is injected in the store's own engine (test-only, no public hook)
     s._engine.inject_fault(2, "eio")
     lend = Lend() if lent else None
     s.put("x", aligned_values(nbytes, 4), "nvme", lend=lend)
@@ -173,6 +176,7 @@ def test_wait_written_raises_a_failed_writes_error_as_a_read_would(tmp_path):
 
 def spy_write_futures(s: Store, monkeypatch) -> list:
     ios: list = []
+    # private: a spy on the store's engine, to see which path each write takes
     real = s._engine.write
 
     def write(f, buf, offset=0):
@@ -209,7 +213,7 @@ def test_lent_put_writes_from_the_tensor_and_gives_it_back_when_written(tmp_path
 @pytest.mark.parametrize("case", ["small", "unaligned", "host-tier", "codec"])
 def test_lend_of_a_copied_value_is_called_before_put_returns(tmp_path, monkeypatch, case):
     import numcodecs
-    with Store(str(tmp_path / "s"), **{**opts(), "host_budget": 64 * MiB}) as s:
+    with Store(str(tmp_path / "s"), **opts(budgets={"host": 64 * MiB})) as s:
         seen = spy_writes(s, monkeypatch)
         if case == "small":  # half a buffer: packed with others
             x, kw = aligned_values(MiB // 2, 7), {"tier": "nvme"}

@@ -49,11 +49,12 @@ def test_a_failed_read_whose_file_cannot_be_sized_raises_a_tierstore_io_error(tm
     """The read fails with EIO and looking for a truncated file fails too (fstat: EIO): the read's error is
     raised, naming the file, offset and length -- never the bare OSError of the fstat."""
     n = 300_000 if case != "packed" else 2_000  # float32: 1.2 MB (its own extent) or 8 KB (packed)
-    with Store(tmp_path / "s", host_budget=0, pinned_budget=4 << 20, buffer_bytes=1 << 20,
+    with Store(tmp_path / "s", budgets={"host": 0, "pinned": 4 << 20}, buffer_bytes=1 << 20,
                lock_memory=False) as s:
         s.put("t", torch.arange(n, dtype=torch.float32).view(-1, 100), tier="nvme")
         s.flush()
         if case == "rows-whole":
+            # private: the extent's block checksums dropped / the fault injected: no public hook
             s._res.lookup("t").copies["nvme"].blocks = None
         s._engine.inject_fault(1, "eio")
         _fstat_fails(monkeypatch)
@@ -67,9 +68,10 @@ def test_a_failed_read_whose_file_cannot_be_sized_raises_a_tierstore_io_error(tm
 
 
 def test_a_damaged_extent_whose_file_cannot_be_sized_is_still_refused_as_corrupt(tmp_path, monkeypatch):
-    with Store(tmp_path / "s", host_budget=0, lock_memory=False) as s:
+    with Store(tmp_path / "s", budgets={"host": 0}, lock_memory=False) as s:
         s.put("t", torch.ones(300_000), tier="nvme")
         s.flush()
+        # private: the extent marked as an open finds a truncated file
         s._res.lookup("t").copies["nvme"].damaged = True  # as found truncated when opened
         _fstat_fails(monkeypatch)
         with pytest.raises(CorruptionError, match="past the end of its extent file"):
@@ -80,9 +82,10 @@ def test_a_damaged_extent_whose_file_cannot_be_sized_is_still_refused_as_corrupt
 def test_a_plain_oserror_inside_a_read_names_the_extent(tmp_path, monkeypatch):
     """An OSError raised by anything the read path calls (here the engine's submission) comes out as a
     TierstoreIOError naming the extent file, offset and length."""
-    with Store(tmp_path / "s", host_budget=0, lock_memory=False) as s:
+    with Store(tmp_path / "s", budgets={"host": 0}, lock_memory=False) as s:
         s.put("t", torch.ones(300_000), tier="nvme")
         s.flush()
+        # private: the extent and the engine are where the read fails
         e = s._res.lookup("t").copies["nvme"]
 
         def failing(*a, **k):

@@ -17,12 +17,12 @@ def test_a_refused_read_in_get_many_leaves_no_tensor_pinned(tmp_path):
     """get_many refusing a damaged tensor (its extent past the end of a truncated file) must not leave the
     tensors before it pinned: a pinned tensor can never be spilled, so a later put found no room."""
     d = str(tmp_path / "s")
-    with Store(d, host_budget=0) as s:
+    with Store(d, budgets={"host": 0}) as s:
         s.put("a", torch.full((N,), 1.0), tier="nvme")
         s.put("b", torch.full((N,), 2.0), tier="nvme")
     path = os.path.join(d, "extents-0000.bin")
     os.truncate(path, os.path.getsize(path) - 4096)  # cuts into b, the last extent written
-    with Store.open(d, host_budget=N * 4) as s:
+    with Store.open(d, budgets={"host": N * 4}) as s:
         with pytest.raises(CorruptionError, match="'b'"):
             s.get_many(["a", "b"])
         s.tensor("a").prefetch("host").result()
@@ -35,7 +35,7 @@ def test_a_refused_read_in_get_many_leaves_no_tensor_pinned(tmp_path):
 
 
 def test_get_many_and_get_return_the_same_values_from_every_tier(tmp_path):
-    with Store(tmp_path, host_budget=None, device_budget=None) as s:
+    with Store(tmp_path, budgets={"host": None, "device": None}) as s:
         vals = {f"t{i}": torch.arange(i * 100, dtype=torch.float32) for i in range(6)}
         for i, (k, v) in enumerate(vals.items()):
             s.put(k, v, tier=("device", "host", "nvme")[i % 3])

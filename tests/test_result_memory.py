@@ -99,7 +99,7 @@ def test_store_get_reads_large_tensors_into_recycled_memory(tmp_path):
     the results dropped since, and each result holds the stored values."""
     small = torch.arange(RESULT_ALIGNED_MIN // 8, dtype=torch.float32)  # half the threshold: torch's memory
     big = torch.randn(3 * MIB // 4 + 3)  # 3 MiB and 12 bytes
-    with Store(tmp_path, host_budget=0) as st:
+    with Store(tmp_path, budgets={"host": 0}) as st:
         st.put("small", small, tier="nvme")
         st.put("big", big, tier="nvme")
         st.flush()
@@ -126,7 +126,7 @@ def test_a_read_larger_than_memory_is_refused_before_anything_is_allocated(tmp_p
     import tierstore.io.pool as io_pool
 
     big = torch.ones(2048, 1024)  # 8 MiB
-    with Store(tmp_path / "s", host_budget=0, lock_memory=False) as s:
+    with Store(tmp_path / "s", budgets={"host": 0}, lock_memory=False) as s:
         s.put("big", big, tier="nvme")
         s.put("packed", big, tier="nvme", codec=numcodecs.Zlib())  # a few KB on disk, 8 MiB decoded
         s.flush()
@@ -151,7 +151,7 @@ _UNDER_A_LIMIT = """
 import resource, sys
 from tierstore import Store
 from tierstore.errors import TierFullError
-s = Store.open(sys.argv[1], host_budget=0, lock_memory=False)
+s = Store.open(sys.argv[1], budgets={"host": 0}, lock_memory=False)
 s.get("small")  # the read path's threads and buffers exist before the limit
 vm = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmSize")) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (vm + (24 << 20), resource.RLIM_INFINITY))
@@ -171,7 +171,7 @@ def test_an_allocation_the_kernel_refuses_names_the_tensor_and_its_size(tmp_path
     import subprocess
     import sys
 
-    with Store(tmp_path / "s", host_budget=0, lock_memory=False) as s:
+    with Store(tmp_path / "s", budgets={"host": 0}, lock_memory=False) as s:
         s.put("big", torch.ones(16 * MIB), tier="nvme")  # 64 MiB
         s.put("small", torch.ones(300_000), tier="nvme")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

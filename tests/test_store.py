@@ -70,12 +70,9 @@ class StoreConformance:
     def dirs(self, tmp_path):
         return [str(tmp_path / "d0")]
 
-    def open(self, dirs, **kw):
-        kw.setdefault("host_budget", 64 << 20)
-        kw.setdefault("device_budget", 64 << 20)
-        kw.setdefault("pinned_budget", 8 << 20)
+    def open(self, dirs, budgets=None, **kw):
         kw.setdefault("buffer_bytes", 1 << 20)
-        return Store(dirs, **kw)
+        return Store(dirs, budgets={"host": 64 << 20, "device": 64 << 20, "pinned": 8 << 20, **(budgets or {})}, **kw)
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
     def test_roundtrip_every_dtype(self, dirs, dtype):
@@ -129,7 +126,7 @@ class StoreConformance:
 
     def test_large_tensor_streams_through_pool(self, dirs):
         x = torch.randn(5 << 20 >> 2)  # 5 MiB through 1 MiB pool buffers
-        with self.open(dirs, pinned_budget=2 << 20) as s:
+        with self.open(dirs, budgets={"pinned": 2 << 20}) as s:
             s.put("big", x, self.tier)
             s.flush()
             assert torch.equal(s.get("big"), x)
@@ -139,12 +136,12 @@ class StoreConformance:
         small = sample(torch.float32, (37, 11))
         big = torch.randn(((2 << 20) + 4096) >> 2)  # 2 MiB + 4 KiB: 3 chunks of 1 MiB, read through pool
         # buffers or straight in
-        with self.open(dirs, pinned_budget=2 << 20) as s:
+        with self.open(dirs, budgets={"pinned": 2 << 20}) as s:
             s.put("small", small, self.tier)
             s.put("big", big, self.tier)
             s.flush()
         from tierstore.tiers.host import aligned_empty
-        with self.open(dirs, pinned_budget=2 << 20) as s:  # reopened: the nvme copy only
+        with self.open(dirs, budgets={"pinned": 2 << 20}) as s:  # reopened: the nvme copy only
             for _ in range(2):
                 outs = {
                     "plain": torch.empty_like(big),  # torch's allocator: not 4 KiB aligned
@@ -252,7 +249,7 @@ class TestStriped(StoreConformance):
 # -- store behaviour ----------------------------------------------------------------------------------
 
 def test_small_tensors_are_packed_into_few_large_writes(tmp_path):
-    with Store(tmp_path, pinned_budget=8 << 20, buffer_bytes=4 << 20) as s:
+    with Store(tmp_path, budgets={"pinned": 8 << 20}, buffer_bytes=4 << 20) as s:
         for i in range(300):
             s.put(f"t{i}", torch.full((1000 + i,), i, dtype=torch.float32), "nvme")
         s.flush()
@@ -270,7 +267,7 @@ def test_small_tensors_are_packed_into_few_large_writes(tmp_path):
 def test_one_buffer_pool_never_waits_on_the_open_staging_buffer(tmp_path):
     """pinned_budget == buffer_bytes: the staging buffer of small writes holds the pool's only buffer; a large
     write or read must seal it (its write frees the buffer) instead of waiting forever for a release."""
-    s = Store(tmp_path, host_budget=0, pinned_budget=1 << 20, buffer_bytes=1 << 20)
+    s = Store(tmp_path, budgets={"host": 0, "pinned": 1 << 20}, buffer_bytes=1 << 20)
     small = torch.arange(100, dtype=torch.float32)
     big = torch.randn(700_000)  # 2.8 MB: streamed through the one buffer in three chunks
     done = threading.Event()
@@ -318,7 +315,7 @@ def test_one_buffer_pool_never_waits_on_the_open_staging_buffer(tmp_path):
 
 def test_spill_lru_to_next_tier_with_debug_log(tmp_path, caplog):
     mib = 1 << 20
-    with Store(tmp_path, device_budget=3 * mib, host_budget=2 * mib) as s, \
+    with Store(tmp_path, budgets={"device": 3 * mib, "host": 2 * mib}) as s, \
             caplog.at_level(logging.DEBUG, logger="tierstore.store"):
         xs = {f"t{i}": torch.full((mib // 4,), float(i)) for i in range(6)}
         for k, v in xs.items():
@@ -340,14 +337,14 @@ def test_spill_lru_to_next_tier_with_debug_log(tmp_path, caplog):
 
 def test_pinned_tensors_are_not_spilled_and_full_error_names_budgets(tmp_path):
     mib = 1 << 20
-    with Store(tmp_path, device_budget=mib, host_budget=mib, nvme_budget=4 * mib) as s:
+    with Store(tmp_path, budgets={"device": mib, "host": mib, "nvme": 4 * mib}) as s:
         s.put("a", torch.zeros(mib // 4), "device")
         with s.tensor("a").resident():
             s.put("b", torch.zeros(mib // 4))  # device is held: goes to host
             assert s.tensor("b").tiers == {"host"}
-            with pytest.raises(TierFullError, match="device_budget=1048576"):
+            with pytest.raises(TierFullError, match="budgets=.'device': 1048576"):
                 s.put("c", torch.zeros(mib // 4), "device")
-        with pytest.raises(MemoryError, match="nvme_budget"):
+        with pytest.raises(MemoryError, match="budgets..nvme.."):
             s.put("huge", torch.zeros(2 * mib), None)
         s.put("c", torch.zeros(mib // 4), "device")  # now a can be spilled
         assert s.tensor("a").tiers != {"device"}
@@ -443,7 +440,7 @@ def test_corruption_in_a_chunked_large_read(tmp_path, aligned):
     straight into the result or through pool buffers; the other tensor still reads."""
     from tierstore.tiers.host import aligned_empty
     x, y = torch.randn(4 << 20 >> 2), torch.randn(3 << 20 >> 2)
-    with Store(tmp_path, pinned_budget=2 << 20, buffer_bytes=1 << 20) as s:
+    with Store(tmp_path, budgets={"pinned": 2 << 20}, buffer_bytes=1 << 20) as s:
         s.put("x", x, "nvme")
         s.put("y", y, "nvme")
     e = manifest(tmp_path)["tensors"]["x"]["extent"]
@@ -452,7 +449,7 @@ def test_corruption_in_a_chunked_large_read(tmp_path, aligned):
         b = f.read(1)
         f.seek(e["offset"] + (2 << 20) + 12345)
         f.write(bytes([b[0] ^ 0x01]))
-    with Store.open(tmp_path, pinned_budget=2 << 20, buffer_bytes=1 << 20) as s:
+    with Store.open(tmp_path, budgets={"pinned": 2 << 20}, buffer_bytes=1 << 20) as s:
         out = aligned_empty(x.numel() * 4, lock=False).view(torch.float32) if aligned else torch.empty_like(x)
         assert (out.data_ptr() % 4096 == 0) == aligned
         with pytest.raises(CorruptionError, match=r"tensor 'x'.*4194304 bytes at offset"):
@@ -470,7 +467,7 @@ def test_extent_files_are_preallocated_best_effort(tmp_path, monkeypatch):
 
     monkeypatch.setattr(nvme, "PREALLOC_FROM", 0)
     xs = {f"t{i}": torch.full((300_000,), float(i)) for i in range(4)}  # 4 x 1.2 MB, streamed
-    with Store(tmp_path / "a", buffer_bytes=1 << 20, pinned_budget=4 << 20) as s:
+    with Store(tmp_path / "a", buffer_bytes=1 << 20, budgets={"pinned": 4 << 20}) as s:
         for k, v in xs.items():
             s.put(k, v, "nvme")
         s.flush()
@@ -483,7 +480,7 @@ def test_extent_files_are_preallocated_best_effort(tmp_path, monkeypatch):
     def refuse(fd, offset, length):
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
     monkeypatch.setattr(nvme, "_fallocate", refuse)
-    with Store(tmp_path / "b", buffer_bytes=1 << 20, pinned_budget=4 << 20) as s:
+    with Store(tmp_path / "b", buffer_bytes=1 << 20, budgets={"pinned": 4 << 20}) as s:
         for k, v in xs.items():
             s.put(k, v, "nvme")
         s.flush()
@@ -524,7 +521,7 @@ def _check_disk_full_recovery(s: Store, dirs, fill) -> None:
 
 
 def test_disk_full_fault_injection(tmp_path):
-    s = Store(tmp_path, pinned_budget=4 << 20, buffer_bytes=1 << 20)
+    s = Store(tmp_path, budgets={"pinned": 4 << 20}, buffer_bytes=1 << 20)
 
     def fill():
         s._engine.inject_fault(1, "enospc")  # private: sets up the fault (the engine's next write fails)
@@ -550,7 +547,7 @@ def small_fs(tmp_path):
 
 def test_disk_full_small_filesystem(small_fs):
     d = str(small_fs / "store")
-    s = Store(d, pinned_budget=4 << 20, buffer_bytes=1 << 20)
+    s = Store(d, budgets={"pinned": 4 << 20}, buffer_bytes=1 << 20)
     filler = small_fs / "filler"
 
     def fill():
@@ -604,7 +601,7 @@ def test_threads_put_get_prefetch(tmp_path):
                     s.flush()
         except BaseException as e:
             errors.append(e)
-    with Store(tmp_path, host_budget=40_000, device_budget=20_000) as s:
+    with Store(tmp_path, budgets={"host": 40_000, "device": 20_000}) as s:
         ths = [threading.Thread(target=worker, args=(s, w)) for w in range(4)]
         for th in ths:
             th.start()
@@ -617,7 +614,7 @@ def test_threads_put_get_prefetch(tmp_path):
 
 
 def test_stats_and_profiler_ranges(tmp_path):
-    with Store(tmp_path, host_budget=1 << 20) as s:
+    with Store(tmp_path, budgets={"host": 1 << 20}) as s:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             s.put("x", torch.ones(10_000), "host")
             # private: the job offload() runs on a worker thread, run on this one, which the profiler records

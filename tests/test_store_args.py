@@ -16,8 +16,12 @@ BAD = {  # keyword arguments -> the argument the error must name
     "device='tpu:0'": ({"device": "tpu:0"}, "device"),
     "device=5": ({"device": 5}, "device"),
     "device='meta'": ({"device": "meta"}, "device"),
-    "device_budget=2**70": ({"device_budget": 2 ** 70}, "device_budget"),
-    "pinned_budget=2**60": ({"pinned_budget": 2 ** 60}, "pinned"),
+    "budgets device 2**70": ({"budgets": {"pinned": 8 << 20, "device": 2 ** 70}}, "device"),
+    "budgets pinned 2**60": ({"budgets": {"pinned": 2 ** 60}}, "pinned"),
+    "budgets host 2**70": ({"budgets": {"pinned": 8 << 20, "host": 2 ** 70}}, "host"),
+    "budgets nvme 2**70": ({"budgets": {"pinned": 8 << 20, "nvme": 2 ** 70}}, "nvme"),
+    "budgets key 'disk'": ({"budgets": {"pinned": 8 << 20, "disk": 0}}, "disk"),
+    "budgets a list": ({"budgets": [1, 2]}, "budgets"),
     "stripe_unit=1000": ({"stripe_unit": 1000}, "stripe_unit"),
     "extent_file_bytes=2**70": ({"extent_file_bytes": 2 ** 70}, "extent_file_bytes"),
     "workers=10**6": ({"workers": 10 ** 6}, "workers"),
@@ -38,11 +42,11 @@ def test_a_refused_store_creates_nothing(tmp_path, case, where):
     if where == "empty":
         d.mkdir()
     elif where == "a store":
-        with Store(d, pinned_budget=8 << 20, host_budget=0) as s:
+        with Store(d, budgets={"pinned": 8 << 20, "host": 0}) as s:
             s.put("w", torch.ones(16), "nvme")
     before = listing(tmp_path)
     with pytest.raises(TierstoreError, match=names):
-        Store(d, **{"pinned_budget": 8 << 20, **kwargs})
+        Store(d, **{"budgets": {"pinned": 8 << 20}, **kwargs})
     assert listing(tmp_path) == before
 
 
@@ -54,13 +58,13 @@ def test_a_refused_store_creates_nothing(tmp_path, case, where):
 def test_bad_paths_get_a_tierstore_error_naming_them(tmp_path, monkeypatch, paths, names):
     monkeypatch.chdir(tmp_path)  # relative paths: whatever is created lands here
     with pytest.raises(TierstoreValueError, match=names) as e:
-        Store(paths, pinned_budget=8 << 20)
+        Store(paths, budgets={"pinned": 8 << 20})
     assert "pass the path of a directory" in str(e.value) or "give at least one" in str(e.value)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_device_budget_up_to_the_device_memory_is_accepted(tmp_path):
-    with Store(tmp_path / "s", device_budget=None, pinned_budget=8 << 20) as s:
+    with Store(tmp_path / "s", budgets={"device": None, "pinned": 8 << 20}) as s:
         s.put("w", torch.ones(4), "device")
     with pytest.raises(TierstoreValueError, match="pass at most .* bytes, or None for no limit"):
-        Store(tmp_path / "t", device_budget=2 ** 70, pinned_budget=8 << 20)
+        Store(tmp_path / "t", budgets={"device": 2 ** 70, "pinned": 8 << 20})

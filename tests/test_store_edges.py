@@ -18,16 +18,15 @@ from tierstore.errors import (
     TierFullError,
     TierstoreError,
     TierstoreIOError,
+    TierstoreTypeError,
     TierstoreValueError,
 )
 from tierstore.io import BufferPool
 from tierstore.store import Store
 
 
-def small_store(paths, **kw) -> Store:
-    kw.setdefault("pinned_budget", 8 << 20)
-    kw.setdefault("host_budget", 0)
-    return Store(paths, **kw)
+def small_store(paths, budgets=None, **kw) -> Store:
+    return Store(paths, budgets={"pinned": 8 << 20, "host": 0, **(budgets or {})}, **kw)
 
 
 class TinyNet(torch.nn.Module):
@@ -58,7 +57,7 @@ def test_a_store_over_a_directory_of_an_open_store_is_refused_and_changes_nothin
             with pytest.raises(MisuseError, match=f"another Store has {b}|another Store has {a}"):
                 small_store(other)
         assert not os.path.exists(os.path.join(c, "extents-0000.bin"))
-    with Store.open([a, b], pinned_budget=8 << 20) as s:
+    with Store.open([a, b], budgets={"pinned": 8 << 20}) as s:
         assert torch.equal(s.get("x"), x)  # its extents were never written by another store
 
 
@@ -130,7 +129,7 @@ def test_zero_size_tensor_round_trips_through_nvme_with_a_codec(tmp_path, codec,
     with small_store(d) as s:
         s.put("z", torch.empty(shape, dtype=torch.float32), "nvme", codec=codec)
         assert s.get("z").shape == shape  # before the flush too
-    with Store.open(d, pinned_budget=8 << 20, host_budget=1 << 20) as s:
+    with Store.open(d, budgets={"pinned": 8 << 20, "host": 1 << 20}) as s:
         for got in (s.get("z"), s.get_many(["z"])["z"], s.get("z", out=torch.empty(shape))):
             assert got.shape == shape and got.dtype == torch.float32
         s.tensor("z").prefetch("host").result()
@@ -210,7 +209,7 @@ def test_read_only_open_reads_and_refuses_every_write(tmp_path):
     make_store(d, x=x, y=y)
     names = sorted(os.listdir(d))
     manifest = open(os.path.join(d, "manifest.json"), "rb").read()
-    s = Store.open(d, mode="r", pinned_budget=8 << 20, host_budget=1 << 20)
+    s = Store.open(d, mode="r", budgets={"pinned": 8 << 20, "host": 1 << 20})
     assert s.read_only and sorted(s.keys()) == ["x", "y"] and len(s) == 2 and "x" in s
     assert torch.equal(s.get("x"), x) and torch.equal(s.get_many(["y"])["y"], y)
     s.tensor("x").prefetch("host").result()  # moving a copy up writes nothing
@@ -233,22 +232,22 @@ def test_read_only_open_reads_and_refuses_every_write(tmp_path):
     s.close()  # must not flush
     assert sorted(os.listdir(d)) == names
     assert open(os.path.join(d, "manifest.json"), "rb").read() == manifest
-    with Store.open(d, pinned_budget=8 << 20) as s:
+    with Store.open(d, budgets={"pinned": 8 << 20}) as s:
         assert torch.equal(s.get("x"), x) and torch.equal(s.get("y"), y)
 
 
 def test_read_only_opens_share_and_exclude_writers(tmp_path):
     d = str(tmp_path / "s")
     make_store(d, x=torch.ones(3))
-    r1 = Store.open(d, mode="r", pinned_budget=8 << 20)
-    r2 = Store.open(d, mode="r", pinned_budget=8 << 20)
+    r1 = Store.open(d, mode="r", budgets={"pinned": 8 << 20})
+    r2 = Store.open(d, mode="r", budgets={"pinned": 8 << 20})
     with pytest.raises(MisuseError, match="another Store"):
-        Store.open(d, pinned_budget=8 << 20)
+        Store.open(d, budgets={"pinned": 8 << 20})
     r1.close()
     r2.close()
-    with Store.open(d, pinned_budget=8 << 20):
+    with Store.open(d, budgets={"pinned": 8 << 20}):
         with pytest.raises(MisuseError, match="open for writing"):
-            Store.open(d, mode="r", pinned_budget=8 << 20)
+            Store.open(d, mode="r", budgets={"pinned": 8 << 20})
     with pytest.raises(TierstoreValueError, match="mode="):
         Store.open(d, mode="a")
 
@@ -263,8 +262,8 @@ def test_read_only_open_on_a_read_only_filesystem(ext4, lock_file):
         os.unlink(os.path.join(d, "tierstore.lock"))
     remount_ro()
     with pytest.raises(TierstoreIOError, match="mode='r'"):
-        Store.open(d, pinned_budget=8 << 20)
-    with Store.open(d, mode="r", pinned_budget=8 << 20, host_budget=0) as s:
+        Store.open(d, budgets={"pinned": 8 << 20})
+    with Store.open(d, mode="r", budgets={"pinned": 8 << 20, "host": 0}) as s:
         assert torch.equal(s.get("x"), x) and s.get("z").shape == (0, 2)
         with pytest.raises(MisuseError, match="read-only"):
             s.put("y", torch.ones(1))
@@ -313,7 +312,7 @@ BAD_VALUES = {
 @pytest.mark.parametrize("kind", sorted(BAD_VALUES))
 def test_put_refuses_tensors_whose_bytes_are_not_their_value(tmp_path, kind, tier):
     make, advice = BAD_VALUES[kind]
-    with small_store(str(tmp_path / "s"), host_budget=1 << 20) as s:
+    with small_store(str(tmp_path / "s"), budgets={"host": 1 << 20}) as s:
         with pytest.raises(TierstoreValueError, match=advice):
             s.put("x", make(), tier)
         assert "x" not in s
@@ -329,7 +328,7 @@ def test_update_refuses_a_meta_tensor(tmp_path):
 
 @pytest.mark.parametrize("tier", [None, "host", "nvme"])
 def test_an_expanded_view_larger_than_memory_is_refused_before_any_copy(tmp_path, tier):
-    with small_store(str(tmp_path / "s"), host_budget=None) as s:
+    with small_store(str(tmp_path / "s"), budgets={"host": None}) as s:
         with pytest.raises(TierFullError, match="more than this machine has.*expanded"):
             s.put("x", torch.zeros(1).expand(2 ** 40), tier)
         s.put("small", torch.zeros(1).expand(1000), tier)  # an expanded view that fits is stored
@@ -337,21 +336,22 @@ def test_an_expanded_view_larger_than_memory_is_refused_before_any_copy(tmp_path
 
 
 @pytest.mark.parametrize("kw,err,advice", [
-    (dict(pinned_budget=2 ** 50), PinnedMemoryError, "lower the pinned budget"),
+    (dict(budgets={"pinned": 2 ** 50}), PinnedMemoryError, "lower the pinned budget"),
     (dict(workers=0), TierstoreValueError, "workers=0 must be >= 1"),
     (dict(workers="2"), TierstoreValueError, "workers='2' must be an int"),
-    (dict(host_budget="1G"), TierstoreValueError, r"host_budget='1G' must be an int number of bytes \(e.g. 1 << 30"),
-    (dict(host_budget=1.5e9), TierstoreValueError, "host_budget=1500000000.0 must be an int"),
-    (dict(device_budget=True), TierstoreValueError, "device_budget=True must be an int"),
-    (dict(nvme_budget=-1), TierstoreValueError, "nvme_budget=-1 must be >= 0"),
-    (dict(pinned_budget=None), TierstoreValueError, "pinned_budget=None must be an int"),
+    (dict(budgets={"host": "1G"}), TierstoreTypeError,
+     r"budgets\['host'\]='1G' must be an int number of bytes \(e.g. 1 << 30"),
+    (dict(budgets={"host": 1.5e9}), TierstoreTypeError, r"budgets\['host'\]=1500000000.0 must be an int"),
+    (dict(budgets={"device": True}), TierstoreTypeError, r"budgets\['device'\]=True must be an int"),
+    (dict(budgets={"nvme": -1}), TierstoreValueError, r"budgets\['nvme'\]=-1 must be >= 0 bytes"),
+    (dict(budgets={"pinned": None}), TierstoreValueError, r"budgets\['pinned'\]=None: the pinned pool is allocated"),
     (dict(queue_depth=0), TierstoreValueError, "queue_depth=0 must be >= 1"),
 ])
 def test_bad_store_arguments(tmp_path, kw, err, advice):
     d = tmp_path / "s"
     with pytest.raises(err, match=advice):
         Store(str(d), **kw)
-    Store(str(d), pinned_budget=8 << 20).close()  # a failed open holds no lock
+    Store(str(d), budgets={"pinned": 8 << 20}).close()  # a failed open holds no lock
 
 
 def test_pool_larger_than_memory_is_a_pinned_memory_error():
@@ -366,7 +366,7 @@ def test_a_path_that_is_a_file_is_refused(tmp_path):
     f.write_bytes(b"not a directory")
     for paths in (str(f), [str(tmp_path / "d"), str(f)]):
         with pytest.raises(TierstoreValueError, match="is a file, not a directory"):
-            Store(paths, pinned_budget=8 << 20)
+            Store(paths, budgets={"pinned": 8 << 20})
     assert f.read_bytes() == b"not a directory"
 
 

@@ -23,8 +23,8 @@ BIG = 300_000  # elements of float32: 1.2 MB, more than one 1 MiB pool buffer, s
 SMALL = 2_000  # elements: packed into a staging buffer
 
 
-def opts(**kw) -> dict:
-    return {"pinned_budget": 4 * MiB, "buffer_bytes": MiB, "lock_memory": False, **kw}
+def opts(budgets=None, **kw) -> dict:
+    return {"budgets": {"pinned": 4 * MiB, **(budgets or {})}, "buffer_bytes": MiB, "lock_memory": False, **kw}
 
 
 def val(i: float, n: int = BIG) -> torch.Tensor:
@@ -51,7 +51,7 @@ def test_dir_fsync_failing_after_the_rename_keeps_both_generations(tmp_path, mon
     be reused until a later flush succeeds. Before: the new extents were freed as if never named, the next
     updates overwrote them, and a reopen found the renamed manifest pointing at other data (CorruptionError)."""
     d = str(tmp_path / "s")
-    s = Store(d, host_budget=0, **opts())
+    s = Store(d, **opts(budgets={"host": 0}))
     s.put("y", val(0), "nvme")
     s.put("z", val(10, SMALL), "nvme")
     s.flush()
@@ -76,7 +76,7 @@ def test_dir_fsync_failing_after_the_rename_keeps_both_generations(tmp_path, mon
         s.tensor("y").update(val(i))
         s.tensor("z").update(val(10 + i, SMALL))
         s.put(f"n{i}", val(20 + i), "nvme")
-    s._nvme.sync()  # every write reaches the files, as it would before a crash
+    s._nvme.sync()  # private: the staged writes reach the files and are fsynced, with no manifest written
     s.close(flush=False)  # the crash: no further flush
 
     lost = str(tmp_path / "rename-lost")
@@ -94,7 +94,7 @@ def test_dir_fsync_failing_after_the_rename_keeps_both_generations(tmp_path, mon
 
 def test_space_of_both_generations_comes_back_after_a_flush_succeeds(tmp_path, monkeypatch):
     d = str(tmp_path / "s")
-    with Store(d, host_budget=0, **opts()) as s:
+    with Store(d, **opts(budgets={"host": 0})) as s:
         s.put("y", val(0), "nvme")
         s.flush()
         one = s.stats()["nvme"]["used"]  # bytes of one version of y
@@ -144,7 +144,7 @@ def test_filesystem_shutdown_after_the_rename(ext4, monkeypatch):
     the error says the flush may or may not have landed, with EIO advice; after a remount the store holds
     exactly one of the two flushes."""
     d = os.path.join(ext4.mnt, "store")
-    s = Store(d, host_budget=0, **opts())
+    s = Store(d, **opts(budgets={"host": 0}))
     s.put("y", val(0), "nvme")
     s.put("z", val(10, SMALL), "nvme")
     s.flush()
@@ -190,12 +190,12 @@ def test_full_disk_is_raised_by_the_call_that_cannot_keep_the_value(tmp_path, mo
     previous value stays; nothing is reverted later. Before: they returned, the next flush reverted the
     update and removed the new name, and told the user to free space and flush again."""
     d = str(tmp_path / "s")
-    s = Store(d, host_budget=0, **opts())
+    s = Store(d, **opts(budgets={"host": 0}))
     s.put("a", val(0, n), "nvme")
     s.flush()
     if how == "reopened":  # an nvme-only tensor after reopen, with plenty of host budget
         s.close()
-        s = Store.open(d, **opts(host_budget=32 * MiB))
+        s = Store.open(d, **opts(budgets={"host": 32 * MiB}))
     _refuse_fallocate(monkeypatch)
     with pytest.raises(TierstoreIOError) as ei:
         s.tensor("a").update(val(1, n))
@@ -215,7 +215,7 @@ def test_full_disk_is_raised_by_the_call_that_cannot_keep_the_value(tmp_path, mo
 
 def test_full_disk_with_memory_copies_flush_retry_stores_them(tmp_path, monkeypatch):
     d = str(tmp_path / "s")
-    s = Store(d, **opts(host_budget=32 * MiB))
+    s = Store(d, **opts(budgets={"host": 32 * MiB}))
     s.put("a", val(0), "host")
     s.flush()
     _refuse_fallocate(monkeypatch)
@@ -237,7 +237,7 @@ def test_writeback_without_room_keeps_the_memory_copy(tmp_path, monkeypatch):
     """resident(writeback=True) whose nvme rewrite finds no room: the stale nvme copy is dropped (a spill
     would otherwise bring the old value back) and the next flush writes the new one."""
     d = str(tmp_path / "s")
-    s = Store(d, **opts(host_budget=32 * MiB))
+    s = Store(d, **opts(budgets={"host": 32 * MiB}))
     s.put("a", val(0), "host")
     s.tensor("a").offload("nvme", keep=True).result()
     s.flush()
@@ -257,12 +257,13 @@ def test_write_error_flush_names_lost_and_kept_tensors(tmp_path):
     at their last flushed value, or removed) without telling to retry, and those a retry stores; the
     advice is the disk's, not free space."""
     d = str(tmp_path / "s")
-    s = Store(d, **opts(host_budget=32 * MiB))
+    s = Store(d, **opts(budgets={"host": 32 * MiB}))
     s.put("a", val(0, SMALL), "nvme")
     s.flush()
     s.tensor("a").update(val(1, SMALL))  # these three share one packed write
     s.put("b", val(2, SMALL), "nvme")
     s.put("c", val(3, SMALL), "host")
+    # private: the fault is injected in the store's own engine (test-only, no public hook)
     s._engine.inject_fault(1, "eio")
     with pytest.raises(TierstoreIOError) as ei:
         s.flush()
@@ -286,7 +287,7 @@ def test_a_failed_fsync_trusts_none_of_the_writes_since_the_last_flush(tmp_path,
     flushed value or removed -- also when a read had already waited for its write; the error names the
     fsync's file. Before: the retried flush declared them durable."""
     d = str(tmp_path / "s")
-    s = Store(d, **opts(host_budget=32 * MiB))
+    s = Store(d, **opts(budgets={"host": 32 * MiB}))
     s.put("a", val(0, n), "nvme")
     s.flush()
     s.tensor("a").update(val(1, n))
@@ -320,11 +321,11 @@ def test_filesystem_shutdown_before_the_fsync(ext4):
     fsync: the flush names them lost (back at their last flushed value) with EIO advice, and after a
     remount the store holds the last flush that succeeded."""
     d = os.path.join(ext4.mnt, "store")
-    s = Store(d, host_budget=0, **opts())
+    s = Store(d, **opts(budgets={"host": 0}))
     s.put("y", val(0), "nvme")
     s.flush()
     s.tensor("y").update(val(1))  # streamed: written now, not yet fsynced
-    s._nvme._writer.wait_all()
+    s.synchronize()  # the write reached the file (not fsynced)
     ext4.shutdown()
     with pytest.raises(TierstoreIOError) as ei:
         s.flush()
@@ -343,7 +344,7 @@ def test_full_real_disk(ext4, n):
     """A small ext4 filled up: an update and a put with no memory copy fail at the call, the flushed value
     stays, and after space is freed the same calls and a reopen work."""
     d = os.path.join(ext4.mnt, "store")
-    s = Store(d, host_budget=0, **opts())
+    s = Store(d, **opts(budgets={"host": 0}))
     s.put("a", val(0, n), "nvme")
     s.flush()
     filler = ext4.fill()
@@ -370,7 +371,7 @@ def test_truncated_extent_file_is_corruption_naming_the_tensor(tmp_path, n):
     """Before: a TierstoreIOError "read past end of file". Now a CorruptionError naming the tensor, the file,
     offset and length; a tensor before the cut still reads."""
     d = str(tmp_path / "s")
-    with Store(d, host_budget=0, **opts()) as s:
+    with Store(d, **opts(budgets={"host": 0})) as s:
         s.put("first", val(1, n), "nvme")
         s.put("cut", val(2, n), "nvme")
     with open(os.path.join(d, "manifest.json")) as f:
@@ -401,12 +402,13 @@ def test_failed_replacement_reverts_to_the_flushed_tensor_whole(tmp_path, codec)
     import numcodecs
 
     d = str(tmp_path / "s")
-    s = Store(d, **opts(host_budget=0))
+    s = Store(d, **opts(budgets={"host": 0}))
     old = torch.arange(300, dtype=torch.float32)
     s.put("x", old, "nvme")
     s.flush()
     s.put("x", torch.full((7, 50), 7, dtype=torch.int32), "nvme",
           codec=numcodecs.Zlib() if codec else None)
+    # private: the fault is injected in the store's own engine (test-only, no public hook)
     s._engine.inject_fault(1, "eio")
     with pytest.raises(TierstoreIOError, match="last flushed value"):
         s.flush()
@@ -424,7 +426,7 @@ def test_a_writable_open_makes_the_manifest_durable_first(tmp_path, monkeypatch)
     manifest's directory entry before trusting it, and refuses (naming the file, no "free space") when that
     fails; a read-only open needs no such step."""
     d = str(tmp_path / "s")
-    with Store(d, host_budget=0, **opts()) as s:
+    with Store(d, **opts(budgets={"host": 0})) as s:
         s.put("a", val(0, SMALL), "nvme")
     real, calls = store_mod.fsync_dir, []
 

@@ -17,14 +17,14 @@ N = 20_000
 def test_open_of_many_tensors_is_bounded_by_the_manifest_size(tmp_path):
     d = tmp_path / "s"
     x = torch.zeros(16)
-    with Store(d, host_budget=0, pinned_budget=8 << 20) as s:
+    with Store(d, budgets={"host": 0, "pinned": 8 << 20}) as s:
         for i in range(N):
             s.put(f"model.layers.{i // 8}.weight{i % 8}", x, "nvme")
     size = os.path.getsize(d / "manifest.json")  # bytes
-    Store.open(d, mode="r", pinned_budget=8 << 20).close()  # imports and caches warmed outside the trace
+    Store.open(d, mode="r", budgets={"pinned": 8 << 20}).close()  # imports and caches warmed outside the trace
     tracemalloc.start()
     try:
-        s = Store.open(d, mode="r", pinned_budget=8 << 20)
+        s = Store.open(d, mode="r", budgets={"pinned": 8 << 20})
         kept, peak = tracemalloc.get_traced_memory()  # bytes
     finally:
         tracemalloc.stop()

@@ -25,7 +25,7 @@ def bytes_read(store) -> int:
 
 @pytest.fixture
 def store(tmp_path):
-    s = Store(tmp_path / "s", host_budget=0)
+    s = Store(tmp_path / "s", budgets={"host": 0})
     s.put("emb", table(), tier="nvme")
     s.flush()
     yield s
@@ -33,6 +33,7 @@ def store(tmp_path):
 
 
 def ext_of(store, name) -> Extent:
+    # private: the extent itself (its blocks) is what these tests examine; no public API shows it
     return store._res.lookup(name).copies["nvme"]
 
 
@@ -99,11 +100,11 @@ def test_a_damaged_block_fails_only_reads_that_cover_it(store, tmp_path):
 
 
 def test_block_crcs_survive_a_reopen_and_old_extents_read_whole(tmp_path):
-    s = Store(tmp_path / "s", host_budget=0)
+    s = Store(tmp_path / "s", budgets={"host": 0})
     s.put("emb", table(), tier="nvme")
     s.flush()
     s.close()
-    s = Store.open(tmp_path / "s", host_budget=0)
+    s = Store.open(tmp_path / "s", budgets={"host": 0})
     try:
         assert ext_of(s, "emb").blocks is not None
         b0 = bytes_read(s)
@@ -142,7 +143,7 @@ def test_memory_copies_are_indexed_and_bad_rows_refused(tmp_path):
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 def test_a_bool_mask_selects_the_rows_where_it_is_true(tmp_path, tier):
     small = table()[:6]
-    with Store(tmp_path / "s", host_budget=0 if tier == "nvme" else 64 << 20) as s:
+    with Store(tmp_path / "s", budgets={"host": 0 if tier == "nvme" else 64 << 20}) as s:
         s.put("t", small, tier=tier)
         s.flush()
         mask = [True, False, False, True, True, False]
@@ -172,7 +173,7 @@ def test_a_bool_mask_selects_the_rows_where_it_is_true(tmp_path, tier):
     (range(0, 10), "is outside its 6 rows"),
 ])
 def test_what_is_no_row_is_refused_naming_rows(tmp_path, tier, rows, match):
-    with Store(tmp_path / "s", host_budget=0 if tier == "nvme" else 64 << 20) as s:
+    with Store(tmp_path / "s", budgets={"host": 0 if tier == "nvme" else 64 << 20}) as s:
         s.put("t", table()[:6], tier=tier)
         s.flush()
         with pytest.raises(TierstoreValueError, match=match) as ei:
@@ -190,7 +191,7 @@ def test_a_range_read_without_block_crcs_allocates_only_its_rows(tmp_path):
 
     rows, cols = 8192, 1024  # 32 MiB of 4 KiB rows
     big = torch.arange(rows * cols, dtype=torch.float32).view(rows, cols)
-    with Store(tmp_path / "s", host_budget=0, pinned_budget=4 << 20, buffer_bytes=1 << 20) as s:
+    with Store(tmp_path / "s", budgets={"host": 0, "pinned": 4 << 20}, buffer_bytes=1 << 20) as s:
         s.put("big", big, tier="nvme")
         s.flush()
         e = ext_of(s, "big")

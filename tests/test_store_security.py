@@ -17,10 +17,8 @@ from tierstore.store import Store
 NINE = b"outside!!"  # the 9-byte file outside the store a planted link points at
 
 
-def small_store(paths, **kw) -> Store:
-    kw.setdefault("pinned_budget", 8 << 20)
-    kw.setdefault("host_budget", 0)
-    return Store(paths, **kw)
+def small_store(paths, budgets=None, **kw) -> Store:
+    return Store(paths, budgets={"pinned": 8 << 20, "host": 0, **(budgets or {})}, **kw)
 
 
 def fill(paths, **kw) -> None:
@@ -68,7 +66,7 @@ def test_symlink_planted_in_an_existing_store_is_refused(tmp_path, target, name,
     os.replace(d / name, tmp_path / "moved")
     os.symlink(target, d / name)
     with pytest.raises(TierstoreIOError) as e:
-        Store.open(d, mode=mode, pinned_budget=8 << 20, host_budget=0).close()
+        Store.open(d, mode=mode, budgets={"pinned": 8 << 20, "host": 0}).close()
     refused(e, d / name)
     untouched(target)
 
@@ -96,7 +94,7 @@ def test_symlink_planted_while_open_is_refused_at_flush(tmp_path, target):
         assert os.path.islink(d / "manifest.json.tmp")  # not tierstore's: left alone
         os.unlink(d / "manifest.json.tmp")
         s.flush()  # every value was still held
-    assert torch.equal(Store.open(d, mode="r", pinned_budget=8 << 20).get("w"), torch.ones(4096))
+    assert torch.equal(Store.open(d, mode="r", budgets={"pinned": 8 << 20}).get("w"), torch.ones(4096))
 
 
 def test_symlink_planted_at_the_next_extent_file_is_refused(tmp_path, target):
@@ -122,7 +120,7 @@ def test_fifo_at_an_own_name_is_refused_without_blocking(tmp_path, name, mode):
     os.unlink(d / name)
     os.mkfifo(d / name)
     with pytest.raises(TierstoreIOError, match="not a regular file") as e:
-        Store.open(d, mode=mode, pinned_budget=8 << 20, host_budget=0).close()
+        Store.open(d, mode=mode, budgets={"pinned": 8 << 20, "host": 0}).close()
     assert e.value.filename == str(d / name)
 
 
@@ -134,7 +132,7 @@ def test_manifest_linked_to_dev_zero_is_not_read(tmp_path, mode):
     os.unlink(d / "manifest.json")
     os.symlink("/dev/zero", d / "manifest.json")
     with pytest.raises(TierstoreIOError) as e:
-        Store.open(d, mode=mode, pinned_budget=8 << 20, host_budget=0).close()
+        Store.open(d, mode=mode, budgets={"pinned": 8 << 20, "host": 0}).close()
     refused(e, d / "manifest.json")
 
 
@@ -145,7 +143,7 @@ def test_manifest_larger_than_the_format_can_need_is_refused_unread(tmp_path):
     with open(d / "manifest.json", "r+b") as f:
         f.truncate(1 << 30)  # sparse: a 1 GiB file next to 4 KiB of extents
     with pytest.raises(CorruptionError, match="more than a store whose extent files hold what these do") as e:
-        Store.open(d, mode="r", pinned_budget=8 << 20, host_budget=0)
+        Store.open(d, mode="r", budgets={"pinned": 8 << 20, "host": 0})
     assert e.value.filename == str(d / "manifest.json")
 
 
@@ -156,12 +154,12 @@ def test_a_manifest_laid_out_otherwise_still_opens(tmp_path):
     fill(d)
     doc = json.loads((d / "manifest.json").read_bytes())
     (d / "manifest.json").write_text(json.dumps({k: doc[k] for k in reversed(list(doc))}, indent=2))
-    with Store.open(d, mode="r", pinned_budget=8 << 20) as s:
+    with Store.open(d, mode="r", budgets={"pinned": 8 << 20}) as s:
         assert torch.equal(s.get("w"), torch.arange(4096, dtype=torch.float32))
     doc["body"]["generation"] += 1  # same layout, another body: the checksum fails either way
     (d / "manifest.json").write_text(json.dumps(doc, indent=2))
     with pytest.raises(CorruptionError, match="fails its checksum"):
-        Store.open(d, mode="r", pinned_budget=8 << 20)
+        Store.open(d, mode="r", budgets={"pinned": 8 << 20})
 
 
 def test_deep_nesting_is_a_corruption_error(tmp_path):
@@ -169,7 +167,7 @@ def test_deep_nesting_is_a_corruption_error(tmp_path):
     fill(d)
     (d / "manifest.json").write_bytes(b"[" * 200_000 + b"]" * 200_000)
     with pytest.raises(CorruptionError, match="is not valid"):
-        Store.open(d, mode="r", pinned_budget=8 << 20)
+        Store.open(d, mode="r", budgets={"pinned": 8 << 20})
 
 
 def test_flush_refuses_a_manifest_a_reopen_would_refuse(tmp_path):

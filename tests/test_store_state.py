@@ -40,7 +40,7 @@ class StoreVsDict(RuleBasedStateMachine):
 
     def _open(self, how):
         # small budgets so puts spill, a small pool so large tensors stream in pieces
-        return how(self.dir, device_budget=1 << 20, host_budget=1 << 20, pinned_budget=2 << 20, buffer_bytes=1 << 20)
+        return how(self.dir, budgets={"device": 1 << 20, "host": 1 << 20, "pinned": 2 << 20}, buffer_bytes=1 << 20)
 
     @rule(name=NAMES, shape=SHAPES, dtype=DTYPES, tier=TIERS, seed=st.integers(0, 1000))
     def put(self, name, shape, dtype, tier, seed):

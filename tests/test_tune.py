@@ -40,11 +40,12 @@ def test_engine_store_and_offload_config_take_it(tuned, tmp_path):
     with Engine.from_tuning(out, queue_depth=3) as eng:
         assert eng.queue_depth == 3
     with Store(tmp_path / "s", io_tuning=out, lock_memory=False) as s:
-        assert s._engine.queue_depth == t.queue_depth and s._engine.block_size == t.block_size
-        assert s._pool.buffer_bytes == t.buffer_bytes and s._nvme.stripe_unit == t.stripe_unit
+        io = s.stats()["io"]
+        assert (io["queue_depth"], io["block_size"]) == (t.queue_depth, t.block_size)
+        assert (io["buffer_bytes"], io["stripe_unit"], io["workers"]) == (t.buffer_bytes, t.stripe_unit, t.workers)
         s.put("x", torch.arange(10.0), "nvme")
     with Store.open(tmp_path / "s", io_tuning=out, queue_depth=5, lock_memory=False) as s:
-        assert s._engine.queue_depth == 5  # an explicit argument wins
+        assert s.stats()["io"]["queue_depth"] == 5  # an explicit argument wins
         assert torch.equal(s.get("x"), torch.arange(10.0))
     assert OffloadConfig(io_tuning=str(out)).io_tuning == str(out)
 
@@ -56,10 +57,10 @@ def test_an_existing_store_keeps_its_stripe_unit(tmp_path):
     with Store(dirs, lock_memory=False) as s:  # 1 MiB stripes
         s.put("x", torch.arange(1 << 20, dtype=torch.float32), "nvme")
     with Store.open(dirs, io_tuning=path, lock_memory=False) as s:
-        assert s._nvme.stripe_unit == 1 << 20
+        assert s.stats()["io"]["stripe_unit"] == 1 << 20
         assert torch.equal(s.get("x"), torch.arange(1 << 20, dtype=torch.float32))
     with Store([tmp_path / "c"], io_tuning=path, lock_memory=False) as s:  # a new store takes it
-        assert s._nvme.stripe_unit == 256 << 10
+        assert s.stats()["io"]["stripe_unit"] == 256 << 10
 
 
 @pytest.mark.parametrize("body,what", [

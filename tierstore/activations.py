@@ -21,15 +21,6 @@ away), outside ``mode``, or when offloading it would take the bytes held by the 
 What is offloaded is written by a background thread: the tensor is held until its bytes are in the store,
 then let go, so its memory is freed as soon as the forward no longer uses it.
 
-[Note: exact round trip]
-What goes to the store is the tensor's bytes, as uint8: a contiguous tensor as it is; a non-overlapping
-dense one (a transpose, a permutation) as its span of storage, restored with the same strides; an
-overlapping or gapped view as its span when that is at most twice its elements (restored with the same
-strides), else as a contiguous copy (restored contiguous: the same values, other strides). So the values
-and dtypes (bool and integers included) come back bit for bit, and with the same strides wherever the
-span is stored, which keeps kernels that pick a path by stride on the same path: gradients are
-``torch.equal`` to torch's own. Compression (``compress='bf16'`` or a block-quantization scheme of
-tierstore.quant such as ``'int8'``, floating tensors on the nvme tier only) is lossy and off by default.
 
 [Note: saved tensors and versions]
 torch does not check the version counter of a tensor that went through saved-tensor hooks, so this module
@@ -60,7 +51,7 @@ hooks ([Note: hook events] in zero/events.py) starts the reads before the first 
 
 [Note: per-save bookkeeping]
 With every activation offloaded, what stays in memory until backward grows with depth, one layer at a time:
-autograd's own graph (~20 KiB per GPT block of bench/gpt.py, torch's), the saved tensors kept for being
+autograd's own graph (~20 KiB per GPT block of tierstore/gpt.py, torch's), the saved tensors kept for being
 small (~14 KiB per block there: layer-norm statistics, the attention's log-sum-exp) and the records of the
 offloaded ones -- ours and the store's (docs/activations.md has the measurement). A record keeps only what
 backward needs: the write's future (a Condition with its lock and deque, ~1.5 KiB, more than the rest of
@@ -72,14 +63,14 @@ objects per offloaded tensor, about half of it the store's (its placement and ex
 [Note: small saves batched]
 With ``small_batch_bytes`` > 0, a saved tensor that would stay in memory only for being smaller than
 ``min_bytes`` is instead copied, at the pack, into the batch being filled for its device (each at a 64-byte
-aligned offset, as its span: [Note: exact round trip]); a full batch -- and every batch at the end of the
-forward -- is offloaded as one record, like any saved tensor (read ahead, freed when its last member is).
-So a GPT block's layer-norm statistics and log-sum-exp (2-4 KiB each) leave memory without a store record
-and a 4 KiB write each. Backward reads a batch once, when its first member is unpacked, and keeps the bytes
-until every member alive then has been unpacked (a second backward reads it again). The copy is taken at
-the pack, so an in-place change after it cannot reach the stored value; the unpack still checks the
-version of a member still alive. Batches are not compressed. Off by default: the design keeps small
-tensors in memory, and batching pays a copy per small save.
+aligned offset, as its span: [Note: exact round trip] in activation_records.py); a full batch -- and every
+batch at the end of the forward -- is offloaded as one record, like any saved tensor (read ahead, freed
+when its last member is). So a GPT block's layer-norm statistics and log-sum-exp (2-4 KiB each) leave
+memory without a store record and a 4 KiB write each. Backward reads a batch once, when its first member is
+unpacked, and keeps the bytes until every member alive then has been unpacked (a second backward reads it
+again). The copy is taken at the pack, so an in-place change after it cannot reach the stored value; the
+unpack still checks the version of a member still alive. Batches are not compressed. Off by default: small
+tensors stay in memory, and batching pays a copy per small save.
 """
 from __future__ import annotations
 
@@ -93,12 +84,21 @@ import threading
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import activation_args
+from .activation_records import (
+    ActivationStats,
+    Batch,
+    Kept,
+    Member,
+    Saved,
+    checkpoint_codes,
+    param_or_view,
+    span_of,
+)
 from .errors import MisuseError
 from .store import Store
 
@@ -109,138 +109,6 @@ log = logging.getLogger("tierstore.activations")
 MODES, TIERS = activation_args.MODES, activation_args.TIERS
 _BF16 = activation_args.BF16
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class ActivationStats:
-    """What an ActivationOffload did since it was made (``act.stats()``)."""
-
-    packed: int  # saved tensors seen by the pack hook
-    offloaded: int  # ... written to the store
-    offloaded_bytes: int  # bytes of those tensors (before compression)
-    kept: int  # ... kept in memory ([Note: what is offloaded])
-    kept_over_budget: int  # ... of which because budget_bytes was reached
-    batched: int  # small saved tensors copied into a shared batch, offloaded as one ([Note: small saves batched])
-    deduplicated: int  # saves that shared the record of an earlier save of the same tensor
-    unpacked: int  # unpacks of offloaded records
-    prefetch_hits: int  # ... whose read was started ahead (read ahead, [Note: read ahead])
-    unwritten_hits: int  # ... whose tensor was still in memory (its write not finished)
-    misses: int  # ... read when backward asked for them
-    held_bytes: int  # bytes held in the store now
-    peak_held_bytes: int  # the most bytes held in the store at once
-
-
-class _Kept:
-    """A saved tensor kept in memory, with the version it had (torch checks none with hooks)."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-        self.version = tensor._version
-
-
-class _Saved:
-    """One offloaded tensor: its layout, where it is, and what is in flight for it."""
-
-    __slots__ = ("__weakref__", "owner", "key", "pos", "size", "stride", "span", "dtype", "stored_dtype", "device",
-                 "version", "ref", "nbytes", "data", "write", "read", "written", "freed", "modified")
-
-    def __init__(self, owner: ActivationOffload, key: str, t: torch.Tensor):
-        self.owner = owner
-        self.key = key
-        self.pos = -1  # index in the owner's pack order
-        self.size = tuple(t.shape)
-        self.dtype = t.dtype
-        self.stored_dtype = t.dtype
-        self.device = t.device
-        self.version = t._version
-        self.ref = weakref.ref(t)
-        self.stride: tuple[int, ...] | None = None  # None: restored contiguous
-        self.span = 0  # elements stored
-        self.nbytes = 0  # bytes stored (before compression)
-        self.data: torch.Tensor | None = None  # the flat span while its write is pending
-        self.write: Future | None = None
-        self.read: Future | None = None
-        self.written = False
-        self.freed = False
-        self.modified = False
-
-    def __del__(self):
-        owner = self.owner
-        if owner is not None:
-            owner._release(self)
-
-
-class _Batch:
-    """Small saved tensors copied side by side into one buffer, offloaded as one record once it is full."""
-
-    __slots__ = ("buf", "fill", "saved", "members", "cache", "left")
-
-    def __init__(self, buf: torch.Tensor):
-        self.buf: torch.Tensor | None = buf  # uint8, while it is being filled
-        self.fill = 0  # bytes used
-        self.saved: _Saved | None = None  # the record of buf[:fill], once sealed
-        self.members = 0  # live _Member records
-        self.cache: torch.Tensor | None = None  # the bytes read back, while members still unpack them
-        self.left = 0  # unpacks still to serve from `cache`: the live members when it was read
-
-
-class _Member:
-    """One small saved tensor inside a _Batch: its bytes at `offset`, its layout, the version it had."""
-
-    __slots__ = ("owner", "batch", "offset", "nbytes", "size", "stride", "dtype", "device", "version", "ref")
-
-    def __init__(self, owner: ActivationOffload, batch: _Batch, offset: int, nbytes: int, t: torch.Tensor,
-                 stride: tuple[int, ...] | None):
-        self.owner: ActivationOffload | None = owner
-        self.batch = batch
-        self.offset = offset
-        self.nbytes = nbytes
-        self.size = tuple(t.shape)
-        self.stride = stride
-        self.dtype = t.dtype
-        self.device = t.device
-        self.version = t._version
-        self.ref = weakref.ref(t)
-
-    def __del__(self):
-        owner = self.owner
-        if owner is not None:
-            with owner._lock:
-                self.batch.members -= 1
-
-
-def _span_of(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
-    """(flat contiguous tensor to store, strides to restore it with -- None: contiguous). [Note: exact round trip]"""
-    if t.is_contiguous():
-        return t.reshape(-1), None
-    n = t.numel()
-    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))  # elements from the first to the last
-    if extent <= 2 * n:  # dense (extent == n) or a modest span: keep the strides
-        return t.as_strided((extent,), (1,), t.storage_offset()), tuple(t.stride())
-    return t.contiguous().reshape(-1), None
-
-
-def _param_or_view(t: torch.Tensor) -> bool:
-    while t is not None:
-        if isinstance(t, torch.nn.Parameter):
-            return True
-        t = t._base  # type: ignore[assignment]
-    return False
-
-
-def _checkpoint_codes() -> tuple[set, Any]:
-    """The code objects on the stack while torch.utils.checkpoint saves its inputs (both variants)."""
-    import inspect
-
-    import torch.utils.checkpoint as tuc
-    codes = set()
-    frame_cls = getattr(tuc, "_CheckpointFrame", None)
-    if frame_cls is not None and hasattr(frame_cls, "save_inputs"):
-        codes.add(frame_cls.save_inputs.__code__)  # non-reentrant: _make_saved_tensor in save_inputs
-    apply = inspect.unwrap(torch.autograd.Function.apply.__func__)  # type: ignore[attr-defined]
-    return codes, (apply.__code__, getattr(tuc, "CheckpointFunction", None))
 
 
 class ActivationOffload:
@@ -287,8 +155,8 @@ class ActivationOffload:
                 self._tmp = tempfile.mkdtemp(prefix="tierstore-act-")
                 given = [self._tmp]
             try:
-                store = Store(given, host_budget=None if tier == "host" else 0, device_budget=0,
-                              pinned_budget=pinned_bytes, lock_memory=tier == "host", workers=1)
+                store = Store(given, budgets={"host": None if tier == "host" else 0, "device": 0,
+                                              "pinned": pinned_bytes}, lock_memory=tier == "host", workers=1)
             except BaseException:  # what only trying tells (the page-lock limit): our own directory goes
                 if self._tmp is not None:
                     shutil.rmtree(self._tmp, ignore_errors=True)
@@ -302,7 +170,7 @@ class ActivationOffload:
         self._low: int | None = None  # lowest position whose read was considered in this backward
         self._ahead_bytes = 0  # bytes read ahead and not yet unpacked
         self._by_storage: dict[tuple, weakref.ref] = {}
-        self._batches: dict[torch.device, _Batch] = {}  # the batch being filled, per device
+        self._batches: dict[torch.device, Batch] = {}  # the batch being filled, per device
         self._live = 0
         self._pending: list[tuple[Future, int]] = []  # writes in flight, oldest first, with their bytes
         self._pending_bytes = 0
@@ -313,7 +181,7 @@ class ActivationOffload:
                                       "misses"), 0)
         self._contexts: list = []
         self._closed = False
-        self._ckpt_codes, (self._apply_code, self._ckpt_fn) = _checkpoint_codes()
+        self._ckpt_codes, (self._apply_code, self._ckpt_fn) = checkpoint_codes()
         self._subscription = None
         self._attached_ctx = False
         self._error: BaseException | None = None
@@ -369,7 +237,7 @@ class ActivationOffload:
             return "subclass"
         if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg() or t.device.type == "meta":
             return "layout"
-        if _param_or_view(t):
+        if param_or_view(t):
             return "parameter"
         if torch._C._current_graph_task_id() != -1:
             return "backward"
@@ -392,12 +260,12 @@ class ActivationOffload:
                 if self.budget_bytes is not None and self._held + self.small_batch_bytes > self.budget_bytes:
                     self._counts["kept"] += 1
                     self._counts["kept_over_budget"] += 1
-                    return _Kept(t)
+                    return Kept(t)
                 return self._pack_small(t)
             if reason is not None:
                 self._counts["kept"] += 1
-                return _Kept(t)
-            flat, stride = _span_of(t.detach())  # no autograd history for our own views and copies
+                return Kept(t)
+            flat, stride = span_of(t.detach())  # no autograd history for our own views and copies
             skey = (flat.untyped_storage().data_ptr(), flat.storage_offset(), flat.numel(), t.dtype, t.shape,
                     stride, t._version)
             old = self._by_storage.get(skey)
@@ -411,16 +279,16 @@ class ActivationOffload:
             if self.budget_bytes is not None and self._held + nbytes > self.budget_bytes:
                 self._counts["kept"] += 1
                 self._counts["kept_over_budget"] += 1
-                return _Kept(t)
+                return Kept(t)
             rec, waits = self._offload(t, flat, stride)
             self._by_storage[skey] = weakref.ref(rec)
         self._wait(waits)
         return rec
 
-    def _offload(self, t: torch.Tensor, flat: torch.Tensor, stride) -> tuple[_Saved, list]:
+    def _offload(self, t: torch.Tensor, flat: torch.Tensor, stride) -> tuple[Saved, list]:
         """A record for `flat` (the span of `t`), its write started (lock held); the writes to wait for."""
         nbytes = flat.numel() * flat.element_size()
-        rec = _Saved(self, f"{self._prefix}{next(self._ids)}", t)
+        rec = Saved(self, f"{self._prefix}{next(self._ids)}", t)
         rec.stride = stride
         rec.span = flat.numel()
         rec.nbytes = nbytes
@@ -449,16 +317,16 @@ class ActivationOffload:
             if not fut.cancelled():
                 fut.exception()  # waits; an error is raised by the next pack (self._error)
 
-    def _pack_small(self, t: torch.Tensor) -> _Member:
+    def _pack_small(self, t: torch.Tensor) -> Member:
         """Copy a small saved tensor into the batch of its device (lock held). [Note: small saves batched]"""
-        flat, stride = _span_of(t.detach())
+        flat, stride = span_of(t.detach())
         raw = flat.view(torch.uint8)
         n = raw.numel()
         b = self._batches.get(t.device)
         if b is None or b.buf is None or b.fill + n > b.buf.numel():
             if b is not None:
                 self._seal(t.device)
-            b = self._batches[t.device] = _Batch(torch.empty(max(self.small_batch_bytes, n), dtype=torch.uint8,
+            b = self._batches[t.device] = Batch(torch.empty(max(self.small_batch_bytes, n), dtype=torch.uint8,
                                                              device=t.device))
         assert b.buf is not None
         off = b.fill
@@ -466,7 +334,7 @@ class ActivationOffload:
         b.fill = (off + n + 63) // 64 * 64  # every member starts 64-byte aligned: any dtype can view it
         b.members += 1
         self._counts["batched"] += 1
-        return _Member(self, b, off, n, t, stride)
+        return Member(self, b, off, n, t, stride)
 
     def _seal(self, device: torch.device) -> None:
         """Offload the batch being filled on `device` as one record (lock held; its write is not waited for)."""
@@ -478,7 +346,7 @@ class ActivationOffload:
         if b.members:
             b.saved, _ = self._offload(flat, flat, None)
 
-    def _encode(self, rec: _Saved, flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def _encode(self, rec: Saved, flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if self.compress is None or rec.dtype not in _FLOATS:
             return flat.view(torch.uint8), None
         if self.compress == _BF16:
@@ -488,7 +356,7 @@ class ActivationOffload:
         rec.stored_dtype = rec.dtype
         return flat, codec_for(self.compress, dtype=rec.dtype)
 
-    def _write(self, rec: _Saved) -> None:
+    def _write(self, rec: Saved) -> None:
         """On the writer thread: the record's bytes into the store, then its tensor let go."""
         with self._lock:
             flat = rec.data
@@ -521,7 +389,7 @@ class ActivationOffload:
         except Exception:  # a release must not raise into autograd's destructor path
             log.exception("deleting saved activation %s failed", key)
 
-    def _release(self, rec: _Saved) -> None:
+    def _release(self, rec: Saved) -> None:
         """The record's last reference went ([Note: lifetime of a saved activation])."""
         with self._lock:
             if rec.freed:
@@ -552,12 +420,12 @@ class ActivationOffload:
                 "operation saved it for backward, or clone it first.")
 
     def _unpack(self, packed) -> torch.Tensor:
-        if isinstance(packed, _Kept):
+        if isinstance(packed, Kept):
             self._check_version(packed.tensor._version, packed.version, packed.tensor.shape, packed.tensor.dtype)
             return packed.tensor
-        if isinstance(packed, _Member):
+        if isinstance(packed, Member):
             return self._unpack_small(packed)
-        rec: _Saved = packed
+        rec: Saved = packed
         src = rec.ref()
         self._check_version(src._version if src is not None else None, rec.version, rec.size, rec.dtype)
         if rec.modified:
@@ -567,7 +435,7 @@ class ActivationOffload:
                 f"{rec.version}). Hint: do not modify a tensor in place after an operation saved it for backward")
         return self._restore(rec, self._fetch(rec))
 
-    def _unpack_small(self, m: _Member) -> torch.Tensor:
+    def _unpack_small(self, m: Member) -> torch.Tensor:
         src = m.ref()
         self._check_version(src._version if src is not None else None, m.version, m.size, m.dtype)
         b = m.batch
@@ -588,7 +456,7 @@ class ActivationOffload:
                     b.cache = None
         return self._restore(m, buf[m.offset:m.offset + m.nbytes])
 
-    def _fetch(self, rec: _Saved) -> torch.Tensor:
+    def _fetch(self, rec: Saved) -> torch.Tensor:
         """The flat span of an offloaded record: from memory while its write is pending, else read (ahead)."""
         with self._lock:
             if self._closed:
@@ -612,7 +480,7 @@ class ActivationOffload:
                 flat = self._read(rec)
         return flat
 
-    def _read(self, rec: _Saved) -> torch.Tensor:
+    def _read(self, rec: Saved) -> torch.Tensor:
         """The record's flat span, as it was saved, on the CPU (on the reader thread, or inline on a miss)."""
         if self.compress is not None and rec.dtype in _FLOATS:
             value = self.store.get(rec.key)
@@ -631,7 +499,7 @@ class ActivationOffload:
             j -= 1
         self._low = j + 1
 
-    def _restore(self, rec: _Saved | _Member, flat: torch.Tensor) -> torch.Tensor:
+    def _restore(self, rec: Saved | Member, flat: torch.Tensor) -> torch.Tensor:
         if flat.dtype != rec.dtype:
             flat = flat.view(rec.dtype) if flat.dtype == torch.uint8 else flat.to(rec.dtype)
         if flat.device != rec.device:

@@ -1,7 +1,8 @@
 """The `tierstore` command: `tierstore info`, `tierstore demo`, `tierstore tune DIR` and `tierstore bench <name>`.
 
 Each benchmark is a module ``tierstore.bench.<name>`` with ``add_arguments(parser)`` and ``run(args) -> int``;
-it is imported only when asked for, so one benchmark's optional references never slow another.
+it is imported only when asked for, so one benchmark's optional references never slow another. `tune` is
+``tierstore.io.tune`` (it belongs to the I/O layer, not to the benchmarks), `demo` ``tierstore.demo``.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="sweep the I/O engine's knobs on a disk in minutes and write the "
                                        "configuration it recommends (Engine.from_tuning / Store(io_tuning=))")
     _add_common(tune)
-    importlib.import_module("tierstore.bench.tune").add_arguments(tune)
+    importlib.import_module("tierstore.io.tune").add_arguments(tune)
     bench = sub.add_parser("bench", help="benchmarks that print ratios against references run alongside")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, help_ in BENCHMARKS.items():
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         return importlib.import_module("tierstore.demo").run(args)
     if args.command == "tune":
-        return importlib.import_module("tierstore.bench.tune").run(args)
+        return importlib.import_module("tierstore.io.tune").run(args)
     if isinstance(getattr(args, "dir", None), str):  # the directory a benchmark works in: made if missing
         os.makedirs(args.dir, exist_ok=True)
     return _load(args.bench).run(args)

@@ -5,7 +5,7 @@ The text is byte-level tokens of the Python standard library's own sources (on e
 download). One run, live: a progress bar with step, loss, tokens/s, the nvme tier's read and write GiB/s
 (from the store's stats) and peak RSS. Then a summary -- bytes per tier and kind, peak RSS against the budget
 and the bytes on disk, the time split (module compute / waiting for I/O / optimizer step, measured: see
-[Note: measuring the time split] in bench/gpt.py) -- and the checks, each from what ran:
+[Note: measuring the time split] in gpt.py) -- and the checks, each from what ran:
   it learns          the mean loss of the last steps is below 85% of the first steps' (a run of fewer than 10
                      steps: below the first steps')
   resume is exact    a checkpoint saved before the last --resume-steps steps, loaded into a fresh model and
@@ -32,8 +32,9 @@ import tempfile
 import time
 from typing import Any
 
+from ._report import size_arg
 from ._units import fmt_bytes
-from .bench._common import proc_status, size_arg
+from .gpt import proc_status
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,10 +104,10 @@ def _disk_needed(params: float, states: str, resume: bool) -> int:
 def run(args) -> int:
     import torch
 
-    from .bench.gpt import keep_heap_small, ram_bytes, shape_for
+    from .gpt import keep_heap_small, ram_bytes, shape_for
 
     torch.set_num_threads(min(4, os.cpu_count() or 1))
-    keep_heap_small()  # [Note: resident memory follows live memory] in bench/gpt.py
+    keep_heap_small()  # [Note: resident memory follows live memory] in gpt.py
     if args.big:
         ram = int(args.ram_gib * (1 << 30)) if args.ram_gib else ram_bytes()
         args.params = _big_params(ram, args.states)
@@ -123,7 +124,7 @@ def run(args) -> int:
         args.layers = args.layers or l_
     os.makedirs(args.dir, exist_ok=True)
     if args.big:
-        from .bench.gpt import count_params
+        from .gpt import count_params
         need = _disk_needed(count_params(args.width, args.layers, args.context), args.states, args.resume_steps > 0)
         free = shutil.disk_usage(args.dir).free
         if free < need:
@@ -139,8 +140,8 @@ def run(args) -> int:
             ok &= _exactness(args, root, report)
         ok &= _train(args, root, report)
         report["ok"] = bool(ok)
-        from .bench._common import write_json
-        from .bench.plot import png_path, save_png
+        from ._report import write_json
+        from .plot import png_path, save_png
         json_path = args.json or os.path.join(out_dir, "demo.json")
         write_json(json_path, report)
         print(save_png(png_path(json_path, os.path.join(out_dir, "demo.png")), report["title"], _panels(report)))
@@ -186,7 +187,7 @@ def _exactness(args, root: str, report: dict) -> bool:
     import torch.nn.functional as F
 
     from . import zero
-    from .bench.gpt import VOCAB, batches, build_model, stdlib_text
+    from .gpt import VOCAB, batches, build_model, stdlib_text
 
     text, _files, _root = stdlib_text(1 << 20)
     data = batches(text, args.exact_steps, 4, 64, seed=2)
@@ -225,8 +226,8 @@ def _train(args, root: str, report: dict) -> bool:
     import torch.nn.functional as F
 
     from . import zero
-    from .bench._common import print_table
-    from .bench.gpt import (
+    from ._report import print_table
+    from .gpt import (
         VOCAB,
         StepClock,
         batches,
@@ -407,7 +408,7 @@ def _train(args, root: str, report: dict) -> bool:
 
 
 def _panels(report: dict):
-    from .bench.plot import Panel, Series
+    from .plot import Panel, Series
 
     st = report["steps"]
     x = [s["step"] for s in st]

@@ -7,7 +7,7 @@ import platform
 import shutil
 import tempfile
 
-from .bench._common import fmt_bytes, print_table, write_json
+from ._report import fmt_bytes, print_table, write_json
 
 
 def probe_o_direct(directory: str) -> tuple[bool, str]:

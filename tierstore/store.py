@@ -1,6 +1,6 @@
 """Store: named tensors on three tiers with byte budgets, spill, crash-safe persistence and zarr export.
 
-    with tierstore.Store(["/nvme0/ts", "/nvme1/ts"], host_budget=8 << 30) as store:
+    with tierstore.Store(["/nvme0/ts", "/nvme1/ts"], budgets={"host": 8 << 30}) as store:
         store.put("w", torch.randn(4096, 4096))      # fastest tier with room
         store.tensor("w").offload("nvme").result()   # async write down
         with store.tensor("w").resident() as w: ...  # a plain torch.Tensor inside the block
@@ -49,7 +49,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -70,7 +70,7 @@ from .manifest import (
     write_manifest,
 )
 from .residency import Placement, Residency
-from .store_args import check_flag, check_sizes, store_paths
+from .store_args import check_flag, check_sizes, store_budgets, store_paths
 from .tensor import TieredTensor
 from .tiers import TIERS, DeviceTier, HostTier, NvmeTier, profile_range, tier_info
 from .tiers.device import to_dlpack_tensor
@@ -86,21 +86,23 @@ class Store:
     """Named tensors on device / host / nvme tiers. See the module docstring and docs/store.md.
 
     paths: directory or directories (one per NVMe drive) the extent files are striped over; created if
-    missing. Budgets are bytes (None = no limit): device_budget (accelerator memory; the CPU stands in when
-    there is no accelerator), host_budget (page-locked host copies), pinned_budget (the page-locked staging
-    pool all NVMe I/O streams through), nvme_budget (bytes of extents). io_tuning: the path of what
-    `tierstore tune DIR` recommended (or a tierstore.io.Tuning): it fills in backend, queue_depth,
-    buffer_bytes, stripe_unit (a new store only) and workers where they are left at their defaults, and the
-    engine's block size (see [Note: a tuning file only fills in defaults] in io/tuning.py).
+    missing. budgets: bytes per name (None = no limit; a name left out keeps its default, see
+    [Note: one budget per tier name] in store_args.py): "device" (accelerator memory; the CPU stands in when
+    there is no accelerator; default 0), "host" (page-locked host copies; 256 MiB), "pinned" (the page-locked
+    staging pool all NVMe I/O streams through; 64 MiB), "nvme" (bytes of extents; no limit). The keywords
+    device_budget= / host_budget= / pinned_budget= / nvme_budget= are deprecated spellings of it.
+    io_tuning: the path of what `tierstore tune DIR` recommended (or a tierstore.io.Tuning): it fills in
+    backend, queue_depth, buffer_bytes, stripe_unit (a new store only) and workers where they are left at
+    their defaults, and the engine's block size (see [Note: a tuning file only fills in defaults] in io/tuning.py).
     """
 
-    def __init__(self, paths: str | os.PathLike | Iterable[str | os.PathLike], *, host_budget: int | None = 256 << 20,
-                 device_budget: int | None = 0, pinned_budget: int = 64 << 20, nvme_budget: int | None = None,
-                 device: torch.device | str | None = None, backend: str = "auto", buffer_bytes: int = 4 << 20,
+    def __init__(self, paths: str | os.PathLike | Iterable[str | os.PathLike], *,
+                 budgets: Mapping[str, int | None] | None = None, device: torch.device | str | None = None,
+                 backend: str = "auto", buffer_bytes: int = 4 << 20,
                  queue_depth: int = 32, extent_file_bytes: int = 16 << 30, stripe_unit: int = 1 << 20,
                  workers: int = 2, lock_memory: bool = True, io_tuning: str | os.PathLike | Tuning | None = None,
                  _must_exist: bool = False, _read_only: bool = False,
-                 _fresh: bool = False):
+                 _fresh: bool = False, **deprecated: Any):
         self._closed = True  # until fully open
         self._read_only = _read_only
         self._lockfds: list[int] = []
@@ -114,8 +116,8 @@ class Store:
                                 layout=fresh)
             backend, queue_depth, workers = knobs["backend"], knobs["queue_depth"], knobs["workers"]
             buffer_bytes, stripe_unit, block_size = knobs["buffer_bytes"], knobs["stripe_unit"], tuning.block_size
-        check_sizes(host_budget=host_budget, device_budget=device_budget, nvme_budget=nvme_budget,
-                    pinned_budget=pinned_budget, buffer_bytes=buffer_bytes, queue_depth=queue_depth,
+        limits = store_budgets(budgets, deprecated)
+        check_sizes(buffer_bytes=buffer_bytes, queue_depth=queue_depth,
                     extent_file_bytes=extent_file_bytes, stripe_unit=stripe_unit, workers=workers)
         check_flag("lock_memory", lock_memory)
         if _must_exist and not os.path.lexists(os.path.join(self.paths[0], MANIFEST)):
@@ -123,18 +125,21 @@ class Store:
                                       "Store(paths) and flush() it")
         try:  # in memory first, the disk second ([Note: a refused Store leaves the disk as it was])
             self._flush_lock = threading.Lock()
-            self._pool = BufferPool(pinned_budget, buffer_bytes, lock=lock_memory)
+            pinned = limits["pinned"]
+            assert pinned is not None  # store_budgets refuses None for the pool
+            self._pool = BufferPool(pinned, buffer_bytes, lock=lock_memory)
             self._engine = Engine(backend, queue_depth, block_size, pool=self._pool)
-            self._device = DeviceTier(device_budget, device)
-            self._host = HostTier(host_budget, lock=lock_memory)
+            self._device = DeviceTier(limits[DeviceTier.name], device)
+            self._host = HostTier(limits[HostTier.name], lock=lock_memory)
             if not _read_only:
                 for p in self.paths:
                     _make_dir(p)
             self._lockfds = _lock_dirs(self.paths, shared=_read_only)
-            self._nvme = NvmeTier(self.paths, self._engine, self._pool, budget_bytes=nvme_budget,
+            self._nvme = NvmeTier(self.paths, self._engine, self._pool, budget_bytes=limits[NvmeTier.name],
                                   extent_file_bytes=extent_file_bytes, stripe_unit=stripe_unit,
                                   read_only=_read_only)
             self._tiers = {t.name: t for t in (self._device, self._host, self._nvme)}  # registry name -> tier
+            self._workers = workers
             self._res = Residency(self._tiers, accelerator=self._device, staging=self._host, workers=workers,
                                   read_only=_read_only, where=self.paths[0])
             self._generation = 0
@@ -407,7 +412,9 @@ class Store:
         return self._generation
 
     def stats(self) -> dict:
-        """Bytes and seconds moved into ('in') and out of ('out') each tier, budgets, tensor counts."""
+        """Bytes and seconds moved into ('in') and out of ('out') each tier, budgets, tensor counts; under 'io'
+        the I/O knobs the store runs with (after io_tuning): backend, queue_depth, block_size, buffer_bytes,
+        pinned_bytes (the pool: budgets['pinned']), stripe_unit, workers."""
         with self._res.lock:
             out: dict[str, Any] = {}
             for t in TIERS:
@@ -422,6 +429,10 @@ class Store:
             out["flush_seconds"] = self._flush_seconds
             out["pool_waits"] = self._pool.waits
             out["backend"] = self._engine.backend
+            out["io"] = {"backend": self._engine.backend, "queue_depth": self._engine.queue_depth,  # the knobs
+                         "block_size": self._engine.block_size, "buffer_bytes": self._pool.buffer_bytes,
+                         "pinned_bytes": self._pool.nbytes, "stripe_unit": self._nvme.stripe_unit,
+                         "workers": self._workers}
             return out
 
     # -- zarr ---------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""What every benchmark shares: sizes, interleaved A B A B timing, a progress bar, a table, JSON.
+"""What every benchmark shares: interleaved A B A B timing, samples and ratios, a progress bar, disk passes;
+sizes, tables and JSON come from tierstore/_report.py (re-exported here).
 
 [Note: ratios, not lone numbers]
 The machines are shared and the disk is a shared virtual disk whose throughput moves 2x between runs.
@@ -7,45 +8,16 @@ alternating A B A B, and reports each case as a ratio to its reference from the 
 """
 from __future__ import annotations
 
-import json
 import os
-import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from .._units import fmt_bytes  # noqa: F401  (re-exported for the benchmarks)
-from ._harness import proc_status  # noqa: F401  (re-exported: the demo, the benches and the tests' memory helper)
-
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
-
-
-def parse_size(text: str | int) -> int:
-    """'256M', '1GiB', '4096', '1.5G' -> bytes (binary units)."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"size {text!r} is not understood; write e.g. 4096, 256K, 64M, 2G")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def size_arg(text: str) -> int:
-    """argparse type for sizes."""
-    import argparse
-
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def gib_s(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / (1 << 30) if seconds > 0 else float("inf")
+from .._report import fmt_bytes, gib_s, parse_size, print_table, size_arg, write_json  # noqa: F401  (re-exported)
+from ..gpt import proc_status  # noqa: F401  (re-exported: the benches and the tests' memory helper)
 
 
 @dataclass
@@ -112,38 +84,11 @@ class Progress:
             self._bar.advance(self._task, n)
 
 
-def print_table(title: str, columns: list[str], rows: Iterable[Iterable], caption: str | None = None) -> None:
-    """A table on stdout (rich), every cell already formatted by the caller."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, caption=caption)
-    for i, c in enumerate(columns):
-        table.add_column(c, justify="left" if i == 0 else "right")
-    for r in rows:
-        table.add_row(*[str(x) for x in r])
-    Console(width=max(100, len(columns) * 19)).print(table)
-
-
 def ratio(a: float | None, b: float | None) -> str:
     """'1.23x' for a/b (both throughputs, or both 1/time), '-' when either is missing."""
     if a is None or b is None or b != b or a != a or b == 0:
         return "-"
     return f"{a / b:.2f}x"
-
-
-def write_json(path: str | None, payload: dict) -> None:
-    if not path:
-        return
-    text = json.dumps(payload, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
-    if path == "-":
-        print(text)
-    else:
-        import os
-
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text + "\n")
 
 
 @contextmanager

@@ -88,10 +88,24 @@ def shape_of(spec: dict) -> tuple[int, int, int]:
 
 def _gpt_module():
     try:
-        from . import gpt  # inside the tierstore package
-    except ImportError:  # loaded by path (the DeepSpeed worker): gpt.py sits beside this file
-        import gpt  # type: ignore[no-redef]  # the same module, found by path instead
+        from .. import gpt  # inside the tierstore package
+    except ImportError:  # loaded by path (the DeepSpeed worker): tierstore/gpt.py, one directory up, by path too
+        import importlib.util
+
+        loaded = sys.modules.get("gpt")
+        if loaded is None:
+            path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpt.py")
+            spec = importlib.util.spec_from_file_location("gpt", path)
+            assert spec is not None and spec.loader is not None, path
+            loaded = sys.modules["gpt"] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(loaded)
+        return loaded
     return gpt
+
+
+def proc_status(field: str) -> int:  # bytes
+    """A size from /proc/self/status: gpt.proc_status (see there), reached as the worker reaches gpt.py."""
+    return _gpt_module().proc_status(field)
 
 
 def timed_step(run_loss, backward, step) -> dict:
@@ -104,16 +118,6 @@ def timed_step(run_loss, backward, step) -> dict:
     step()
     t2 = time.perf_counter()
     return {"fwd_bwd": t1 - t0, "step": t2 - t1, "full": t2 - t0, "loss": float(loss.detach())}
-
-
-def proc_status(field: str) -> int:  # bytes
-    """A size from /proc/self/status (Linux), e.g. VmRSS (resident now) or VmHWM (the most resident so far).
-    Here (stdlib only) so the DeepSpeed worker has it too; the rest of tierstore.bench takes it from _common."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(f"/proc/self/status has no field {field!r}")
 
 
 def proc_io() -> dict[str, int]:  # bytes

@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     import torch
     import transformers
     transformers.logging.set_verbosity_error()
-    from .gpt import stdlib_text
+    from ..gpt import stdlib_text
 
     case = spec["case"]
     t0 = time.perf_counter()

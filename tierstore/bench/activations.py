@@ -1,4 +1,4 @@
-"""`tierstore bench activations`: the memory and the time of a GPT-style training step (bench/gpt.py) with long
+"""`tierstore bench activations`: the memory and the time of a GPT-style training step (tierstore/gpt.py) with long
 sequences, five ways: torch as it is ('plain'), torch with every block under torch.utils.checkpoint
 ('checkpoint'), and tierstore.ActivationOffload of every saved tensor to the host tier ('host') or the nvme
 tier ('nvme'), and of the checkpointed blocks' inputs to nvme ('nvme+checkpoint', DeepSpeed's
@@ -115,7 +115,7 @@ def run(args) -> int:
     write_json(args.json, {"command": " ".join(sys.argv), "compression_errors": errors, "context": args.context,
                            "batch": args.batch, "width": args.width, "layers": args.layers, "rounds": args.rounds,
                            "loadavg": load, "states_bytes": states, "medians": med, "runs": runs, **verdict})
-    from .plot import Panel, Series, png_path, save_png
+    from ..plot import Panel, Series, png_path, save_png
     mib = 1 << 20
     print(save_png(png_path(args.json, "bench-activations.png"),
                    f"tierstore bench activations: GPT {args.layers} x {args.width}, {args.batch} x {args.context} "
@@ -180,8 +180,8 @@ def _floor(args) -> int:
     import torch
 
     from ..activations import ActivationOffload
+    from ..gpt import batches, build_model, stdlib_text
     from ._common import parse_size
-    from .gpt import batches, build_model, stdlib_text
 
     class _Mallinfo2(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -280,8 +280,8 @@ def _one(args) -> int:
     import torch.nn.functional as F
 
     from ..activations import ActivationOffload
+    from ..gpt import VOCAB, batches, build_model, count_params, keep_heap_small, reset_peak_rss, stdlib_text
     from ._common import parse_size, proc_status
-    from .gpt import VOCAB, batches, build_model, count_params, keep_heap_small, reset_peak_rss, stdlib_text
 
     torch.set_num_threads(args.threads)
     keep_heap_small()  # [Note: resident memory follows live memory] in gpt.py

@@ -45,7 +45,7 @@ def _prepare(args, root: str) -> tuple[str, int, int]:
     import torch
     import transformers
 
-    from .gpt import HEAD, VOCAB, batches, shape_for, stdlib_text
+    from ..gpt import HEAD, VOCAB, batches, shape_for, stdlib_text
     transformers.logging.set_verbosity_error()
     width, layers = shape_for(args.params)
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=width, n_layer=layers, n_head=width // HEAD,

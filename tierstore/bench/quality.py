@@ -1,6 +1,6 @@
 """`tierstore bench quality`: does training with 8-bit optimizer states end where fp32 states do?
 
-One GPT (bench/gpt.py: byte-level, pre-norm, tied head) trained from the same initialisation on the same
+One GPT (tierstore/gpt.py: byte-level, pre-norm, tied head) trained from the same initialisation on the same
 batches of the Python standard library's sources, once per optimizer and learning rate; the eval loss on
 held-out text (the last tenth, never trained on) every few steps and at the end. Printed: each 8-bit
 optimizer's final eval-loss gap to fp32 AdamW in memory at the same learning rate, side by side:
@@ -26,8 +26,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from ..plot import Panel, Series, png_path, save_png
 from ._common import print_table, write_json
-from .plot import Panel, Series, png_path, save_png
 
 FP32 = "torch AdamW fp32"
 TS_FUSED = "tierstore dynamic8 (fused)"
@@ -68,8 +68,8 @@ def _train(name: str, lr: float, args, data, root: str) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from ..gpt import build_model
     from ..zero import OffloadConfig, Zero3Optimizer
-    from .gpt import build_model
 
     torch.manual_seed(0)
     model = build_model(args.width, args.layers, args.context)
@@ -130,8 +130,8 @@ def _train(name: str, lr: float, args, data, root: str) -> dict:
 def run(args) -> int:
     import torch
 
+    from ..gpt import batches, stdlib_text
     from ._common import parse_size
-    from .gpt import batches, stdlib_text
 
     if args.width % 64 or args.steps < 1 or args.evals < 1:
         raise SystemExit("bench quality: --width must be a multiple of 64, --steps and --evals >= 1")

@@ -1,4 +1,4 @@
-"""`tierstore bench scale`: one GPT family (bench/gpt.py: width 1024, layers added) from ~64M parameters to
+"""`tierstore bench scale`: one GPT family (tierstore/gpt.py: width 1024, layers added) from ~64M parameters to
 >= 1B, everything on the nvme tier, a few training steps each, each size in a fresh process so one size's
 memory does not count against the next. Per size: peak RSS, bytes on disk, step time and step time per
 parameter; plotted next to the JSON. What it shows: peak RSS stays flat while the model and its bytes on
@@ -72,7 +72,7 @@ def run(args) -> int:
     payload = {"command": " ".join(sys.argv), "states": args.states, "batch": args.batch, "context": args.context,
                "results": results, "rss_largest_over_smallest": flat}
     write_json(args.json, payload)
-    from .plot import Panel, Series, png_path, save_png
+    from ..plot import Panel, Series, png_path, save_png
     x = [r["parameters"] / 1e6 for r in results]
     gib = 1 << 30
     print(save_png(png_path(args.json, "bench-scale.png"), "tierstore bench scale: GPT family, everything on nvme", [
@@ -93,8 +93,7 @@ def _one(args) -> int:
     import torch.nn.functional as F
 
     from .. import zero
-    from ._common import parse_size, proc_status
-    from .gpt import (
+    from ..gpt import (
         VOCAB,
         batches,
         build_model,
@@ -105,6 +104,7 @@ def _one(args) -> int:
         shape_for,
         stdlib_text,
     )
+    from ._common import parse_size, proc_status
 
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     keep_heap_small()  # [Note: resident memory follows live memory] in gpt.py

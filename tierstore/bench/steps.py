@@ -403,7 +403,7 @@ def print_results(name, result, args, nparams, layers, width, tokens, load0, loa
 
 
 def plot(name: str, args, result: dict, nparams: int) -> None:
-    from .plot import Panel, Series, png_path, save_png
+    from ..plot import Panel, Series, png_path, save_png
 
     med = {c: m for c, m in result["median"].items() if not c.startswith("raw-")}
     names = list(med)

@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=size_arg, default=256 << 20, help="(b) bytes per large tensor")
     p.add_argument("--large-count", type=int, default=8, help="(b) number of large tensors")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--pinned", type=size_arg, default=128 << 20, help="the store's pinned_budget")
+    p.add_argument("--pinned", type=size_arg, default=128 << 20, help="the store's budgets['pinned']")
     p.add_argument("--only", choices=["small", "large", "rows", "open"], help="run one workload")
     p.add_argument("--table", type=size_arg, default=256 << 20, help="(c) bytes of the table rows are read from")
     p.add_argument("--lookups", type=int, default=4096, help="(c) random rows per lookup")
@@ -99,7 +99,7 @@ def _workload(name: str, tensors: dict, root: str, args, progress) -> dict:
 
     def store_put():
         shutil.rmtree(sdir, ignore_errors=True)
-        s = Store(sdir, pinned_budget=args.pinned, host_budget=0)
+        s = Store(sdir, budgets={"pinned": args.pinned, "host": 0})
         t0 = time.perf_counter()
         for k, t in tensors.items():
             s.put(k, t, "nvme")
@@ -109,7 +109,7 @@ def _workload(name: str, tensors: dict, root: str, args, progress) -> dict:
         return dt
 
     def store_get():
-        s = Store.open(sdir, pinned_budget=args.pinned, host_budget=0)
+        s = Store.open(sdir, budgets={"pinned": args.pinned, "host": 0})
         drop_page_cache(_files(sdir))
         t0 = time.perf_counter()
         got = s.get_many(names)
@@ -122,7 +122,7 @@ def _workload(name: str, tensors: dict, root: str, args, progress) -> dict:
     outs = [torch.zeros_like(t) for t in tensors.values()]
 
     def store_get_out():
-        s = Store.open(sdir, pinned_budget=args.pinned, host_budget=0)
+        s = Store.open(sdir, budgets={"pinned": args.pinned, "host": 0})
         drop_page_cache(_files(sdir))
         t0 = time.perf_counter()
         got = s.get_many(names, out=outs)
@@ -186,7 +186,7 @@ def _workload(name: str, tensors: dict, root: str, args, progress) -> dict:
              "torch.load": torch_load, "torch.load per file": torch_load_files}
     res = interleave(cases, args.rounds, progress)
     # correctness of what the benchmark measured
-    with Store.open(sdir, pinned_budget=args.pinned) as s:
+    with Store.open(sdir, budgets={"pinned": args.pinned}) as s:
         for k in names[:: max(1, len(names) // 50)]:
             assert torch.equal(s.get(k), tensors[k]), k
     for k, o in list(zip(names, outs))[:: max(1, len(names) // 50)]:
@@ -221,7 +221,7 @@ def _rows_workload(root: str, args, progress) -> dict:
     g = torch.Generator().manual_seed(1)
     table = torch.randn(nrows, cols, generator=g)
     sdir, mfile = os.path.join(root, "rows-store"), os.path.join(root, "rows.raw")
-    with Store(sdir, host_budget=0, pinned_budget=args.pinned) as s:
+    with Store(sdir, budgets={"host": 0, "pinned": args.pinned}) as s:
         s.put("table", table, "nvme")
     table.numpy().tofile(mfile)
     idx = torch.randint(0, nrows, (args.lookups,), generator=g)
@@ -241,13 +241,13 @@ def _rows_workload(root: str, args, progress) -> dict:
 
     def store_case(case, rows, want):
         def fn():
-            with Store.open(sdir, host_budget=0, pinned_budget=args.pinned) as s:
+            with Store.open(sdir, budgets={"host": 0, "pinned": args.pinned}) as s:
                 return timed(case, _files(sdir), lambda: s.get("table", rows=rows), want)
         return fn
 
     def whole_case(case, rows, want):
         def fn():
-            with Store.open(sdir, host_budget=0, pinned_budget=args.pinned) as s:
+            with Store.open(sdir, budgets={"host": 0, "pinned": args.pinned}) as s:
                 return timed(case, _files(sdir), lambda: s.get("table")[rows], want)
         return fn
 

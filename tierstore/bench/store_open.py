@@ -21,7 +21,7 @@ def build(sdir: str, n: int, progress=None) -> int:
     from ..store import Store
 
     x = torch.zeros(16)
-    with Store(sdir, host_budget=0) as s:
+    with Store(sdir, budgets={"host": 0}) as s:
         for i in range(n):
             s.put(f"model.layers.{i // 8}.weight{i % 8}", x, "nvme")
     return os.path.getsize(os.path.join(sdir, "manifest.json"))

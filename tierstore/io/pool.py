@@ -85,7 +85,7 @@ def check_pinned_budget(nbytes: int, what: str = "the pinned pool") -> None:
     if memory is not None and nbytes > memory:
         raise PinnedMemoryError(
             f"{what}: a pinned pool of {fmt_bytes(nbytes)} is larger than this machine's memory "
-            f"({fmt_bytes(memory)}): lower the pinned budget (pinned_budget / pinned_bytes; 64-256 MiB "
+            f"({fmt_bytes(memory)}): lower the pinned budget (Store's budgets['pinned'] / pinned_bytes; 64-256 MiB "
             "keeps the disk busy)")
 
 
@@ -167,7 +167,7 @@ class BufferPool:
         except OSError as e:  # ENOMEM: the address space or the overcommit policy refuses it
             raise PinnedMemoryError(
                 f"cannot reserve {fmt_bytes(self.nbytes)} of host memory for the pinned pool: {e.strerror}. "
-                "Lower the pinned budget (pinned_budget / pinned_bytes) or free memory") from None
+                "Lower the pinned budget (Store's budgets['pinned'] / pinned_bytes) or free memory") from None
         start = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         self._off = (-start) % HUGE  # bytes skipped to reach the 2 MiB boundary
         self.base_addr = start + self._off

@@ -77,7 +77,7 @@ class Budget:
 
     def __init__(self, name: str, limit: int | None):
         if limit is not None and limit < 0:
-            raise TierstoreValueError(f"{name}_budget={limit} must be >= 0 bytes (or None for no limit)")
+            raise TierstoreValueError(f"budgets[{name!r}]={limit} must be >= 0 bytes (or None for no limit)")
         self.name = name
         self.limit = limit  # bytes, None = unlimited
         self.used = 0  # bytes

@@ -115,7 +115,7 @@ class DeviceTier:
         memory = device_memory(self.device) if budget_bytes else None
         if memory is not None and budget_bytes is not None and budget_bytes > memory:
             raise TierstoreValueError(
-                f"device_budget={budget_bytes} is more than the {fmt_bytes(memory)} of memory {self.device} has "
+                f"budgets['device']={budget_bytes} is more than the {fmt_bytes(memory)} of memory {self.device} has "
                 f"({'the CPU stands in for the accelerator here' if self.device.type == 'cpu' else 'all of it'}): "
                 f"pass at most {memory} bytes, or None for no limit")
         self.budget = Budget("device", budget_bytes)

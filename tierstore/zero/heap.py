@@ -12,7 +12,7 @@ once ``TRIM_EVERY`` bytes were dropped since the last time, ``malloc_trim(0)`` r
 to the system (glibc keeps the blocks' bookkeeping; a later block of the size reuses them). Resident memory
 then follows live memory plus at most about ``TRIM_EVERY``. No allocator setting of the process changes (a
 program may fix glibc's thresholds itself, as the benchmarks do: [Note: resident memory follows live memory]
-in bench/gpt.py). Where the C library has no ``malloc_trim`` (not glibc) nothing is done.
+in tierstore/gpt.py). Where the C library has no ``malloc_trim`` (not glibc) nothing is done.
 """
 from __future__ import annotations
 

@@ -183,8 +183,8 @@ class OffloadedModel:
             os.makedirs(base, exist_ok=True)
         self._dir = tempfile.mkdtemp(prefix="tierstore-inference-", dir=base)
         pinned = min(64 << 20, max(8 << 20, budget_bytes // 4))
-        self.store = Store([self._dir], host_budget=None if tier == "host" else 0, device_budget=0,
-                           pinned_budget=pinned, io_tuning=io_tuning, _fresh=True)
+        self.store = Store([self._dir], budgets={"host": None if tier == "host" else 0, "device": 0, "pinned": pinned},
+                           io_tuning=io_tuning, _fresh=True)
         self._closed = False
         self._names: dict[int, list[str]] = {}  # gid -> parameters in its bucket (for error messages)
         try:

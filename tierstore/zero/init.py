@@ -252,8 +252,8 @@ class Init:
         else:
             paths = [tempfile.mkdtemp(prefix="tierstore-init-")]
         self._dirs = paths
-        self.store = Store(paths, device_budget=None if cfg.params == "device" else 0,
-                           host_budget=None if cfg.params == "host" else 0, pinned_budget=cfg.pinned_bytes,
+        self.store = Store(paths, budgets={"device": None if cfg.params == "device" else 0,
+                                           "host": None if cfg.params == "host" else 0, "pinned": cfg.pinned_bytes},
                            io_tuning=cfg.io_tuning,
                            _fresh=True)  # starts empty; discards a previous run's manifest under its locks
         self._inside = True

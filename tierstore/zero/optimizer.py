@@ -205,8 +205,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
             paths = [self._tmpdir]
         tiers = {cfg.params, cfg.optimizer_states, cfg.gradients}
         # starts empty (a previous run's states are not this run's) once it locked every directory (else MisuseError)
-        self.store = Store(paths, device_budget=None if "device" in tiers else 0,
-                           host_budget=None if "host" in tiers else 0, pinned_budget=cfg.pinned_bytes,
+        self.store = Store(paths, budgets={"device": None if "device" in tiers else 0,
+                                           "host": None if "host" in tiers else 0, "pinned": cfg.pinned_bytes},
                            device=self.device, io_tuning=cfg.io_tuning, _fresh=True)
         return act_paths
 

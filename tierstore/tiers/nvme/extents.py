@@ -282,8 +282,8 @@ class ExtentSpace:
     def charge(self, nbytes: int) -> None:
         """Count `nbytes` of extents against the budget; TierFullError when they do not fit."""
         if self.budget.limit is not None and self.budget.used + nbytes > self.budget.limit:
-            raise TierFullError(f"the nvme tier is full: {self.budget.used} of nvme_budget={self.budget.limit} "
-                                f"bytes used, {nbytes} more needed; raise nvme_budget or delete tensors")
+            raise TierFullError(f"the nvme tier is full: {self.budget.used} of budgets['nvme']={self.budget.limit} "
+                                f"bytes used, {nbytes} more needed; raise budgets['nvme'] or delete tensors")
         self.budget.take(nbytes)
 
     def allocate(self, nbytes: int, account: bool = True) -> tuple[int, int]:

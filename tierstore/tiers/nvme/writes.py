@@ -386,7 +386,7 @@ class ExtentWriter:
     def lease(self) -> Buffer:
         """A pool buffer, waiting while every buffer is in flight (back-pressure). The open staging buffer of
         small writes holds one of them until it is sealed; when none is free, it is sealed first -- its
-        write then frees the buffer -- so that a small pool (one buffer: pinned_budget == buffer_bytes) can
+        write then frees the buffer -- so that a small pool (one buffer: budgets['pinned'] == buffer_bytes) can
         never wait on a release that only a later small write or a flush would bring. The wait is short and
         repeated: another thread's small write may take the freed buffer for a new staging buffer. Bounded
         as every wait on the pool ([Note: a wait on the pool is bounded] in io/pool.py)."""

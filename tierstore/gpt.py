@@ -1,5 +1,9 @@
-"""What the demo and `bench scale` share: a GPT-style model family, real text that ships with the machine, and
-the measurements of a training step (time split, bytes per tier and kind, resident memory).
+"""What the demo and the benchmarks share: a GPT-style model family, real text that ships with the machine,
+and the measurements of a training step (time split, bytes per tier and kind, resident memory).
+
+Standard library only at import (torch is imported inside the functions), never the rest of tierstore: the
+DeepSpeed worker of `bench optim` loads this file by path from a venv without tierstore
+(bench/_harness.py).
 """
 from __future__ import annotations
 
@@ -155,6 +159,16 @@ def reset_peak_rss() -> None:
             f.write("5")
     except OSError:
         pass
+
+
+def proc_status(field: str) -> int:  # bytes
+    """A size from /proc/self/status (Linux), e.g. VmRSS (resident now) or VmHWM (the most resident so far).
+    Here (stdlib only) so the DeepSpeed worker, loading this file by path, has it too."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(f"/proc/self/status has no field {field!r}")
 
 
 def ram_bytes() -> int:  # bytes

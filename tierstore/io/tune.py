@@ -1,5 +1,5 @@
 """`tierstore tune DIR [DIR ...]`: sweep the engine's knobs on the disks under test in minutes and write the
-configuration it recommends (a tierstore.io.Tuning JSON file), which `Engine.from_tuning(path)`,
+configuration it recommends (a tierstore.io.Tuning JSON file, tuning.py), which `Engine.from_tuning(path)`,
 `Store(..., io_tuning=path)` and `OffloadConfig(io_tuning=path)` take.
 
 [Note: how tune searches]
@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from ._common import fmt_bytes, gib_s, print_table, size_arg, write_json
+from .._report import fmt_bytes, gib_s, print_table, size_arg, write_json
 
 KNOBS = {  # knob -> candidate values, the default first
     "queue_depth": [32, 8, 16, 64],
@@ -50,7 +50,8 @@ class Trial:
         self.dirs, self.size = dirs, size
 
     def __call__(self, s: dict) -> float:
-        from ..io import BufferPool, Engine
+        from .engine import Engine
+        from .pool import BufferPool
 
         reqs = self.size // s["buffer_bytes"]
         workers = s["workers"]
@@ -96,7 +97,8 @@ class Trial:
 
 def tune(dirs: list[str], *, budget: float, size: int, rounds: int, min_gain: float, log=print) -> dict:
     """Run the sweep (see [Note: how tune searches]); returns {"tuning": Tuning, "trials": [...], ...}."""
-    from ..io import Tuning, io_uring_status
+    from .backends import io_uring_status
+    from .tuning import Tuning
 
     deadline = time.monotonic() + budget
     work = [tempfile.mkdtemp(prefix="tierstore-tune-", dir=d) for d in dirs]
