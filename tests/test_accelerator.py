@@ -66,7 +66,7 @@ def test_pool_buffers_are_registered_and_copy_asynchronously():
 @pytest.mark.parametrize("tier", ["device", "host", "nvme"])
 def test_store_round_trip_of_accelerator_tensors(tmp_path, tier):
     x = torch.randn(3000, 257, device=DEV)
-    with Store(tmp_path / "s", device_budget=None, device=DEV) as s:
+    with Store(tmp_path / "s", budgets={"device": None}, device=DEV) as s:
         s.put("x", x, tier=tier)
         s.flush()
         assert tier in s.tensor("x").tiers  # flush() adds the durable nvme copy

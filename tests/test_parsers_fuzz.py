@@ -26,7 +26,7 @@ from tierstore.errors import CorruptionError, TierstoreError  # noqa: E402
 from tierstore.zero import Zero3Optimizer, consolidate  # noqa: E402
 from tierstore.zero.checkpoint import read_meta  # noqa: E402
 
-SMALL = dict(host_budget=0, pinned_budget=1 << 20, buffer_bytes=256 << 10, lock_memory=False, workers=1)
+SMALL = dict(budgets={"host": 0, "pinned": 1 << 20}, buffer_bytes=256 << 10, lock_memory=False, workers=1)
 
 
 def fuzz(n: int):

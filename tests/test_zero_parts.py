@@ -202,7 +202,7 @@ def test_eight_bit_states_pack_and_unpack(tmp_path):
     from tierstore.store import Store
     from tierstore.zero.state8 import EightBitStates
     from tierstore.zero.stepper import BufferPool
-    with Store([str(tmp_path / "s")], device_budget=0, host_budget=0) as store:
+    with Store([str(tmp_path / "s")], budgets={"device": 0, "host": 0}) as store:
         q = EightBitStates(store, "nvme", StatePolicy.make(), BufferPool(torch.device("cpu"), 2))
         v = torch.randn(1 << 14)
         q.put(3, "exp_avg", v)

@@ -27,7 +27,7 @@ def store_child(d: str, oracle: str, log: str, seed: int, host_budget: int, size
     torch.set_num_threads(1)
     rng = random.Random(seed)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    s = Store(d, host_budget=host_budget, pinned_budget=4 << 20, buffer_bytes=1 << 20, lock_memory=False)
+    s = Store(d, budgets={"host": host_budget, "pinned": 4 << 20}, buffer_bytes=1 << 20, lock_memory=False)
     g = s.generation
     model: dict[str, dict] = read_json(os.path.join(oracle, f"{g}.json")) if g else {}
     while True:

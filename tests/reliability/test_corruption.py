@@ -64,7 +64,7 @@ def pristine_store(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("pristine") / "store")
     rng = random.Random(7)
     want = {}
-    with Store(d, host_budget=0, buffer_bytes=1 << 20, pinned_budget=4 << 20, lock_memory=False) as s:
+    with Store(d, budgets={"host": 0, "pinned": 4 << 20}, buffer_bytes=1 << 20, lock_memory=False) as s:
         for i, size in enumerate(["tiny"] * 10 + ["mid"] * 2 + ["big"]):
             spec = random_spec(rng, (size,))
             if i % 4 == 1:
@@ -91,7 +91,7 @@ def test_store_corruption(tmp_path, pristine_store, how):
             what = damage(os.path.join(d, files[0] if seed == seeds(campaign, 1)[0] else rng.choice(files)), rng, how)
             print(what)
             try:
-                s = Store.open(d, host_budget=0, lock_memory=False)
+                s = Store.open(d, budgets={"host": 0}, lock_memory=False)
             except Exception as e:
                 must_be_tierstore_error(e, f"Store.open after {what}")
                 record(campaign, f"open: {outcome(e)}")

@@ -64,7 +64,7 @@ def fill_until_full(fs, tmp_path, rng, host_budget: int, tiers: list, campaign: 
     if os.path.exists(ballast):  # the previous trial's
         os.unlink(ballast)
     write_ballast(ballast, fs.free_bytes() - rng.randint(256 << 10, 2 << 20))
-    s = Store(d, host_budget=host_budget, pinned_budget=4 << 20, buffer_bytes=1 << 20, lock_memory=False)
+    s = Store(d, budgets={"host": host_budget, "pinned": 4 << 20}, buffer_bytes=1 << 20, lock_memory=False)
     model: dict[str, dict] = {}  # what the calls accepted
     committed: dict[str, dict] = {}  # the last completed flush
     errors = 0
@@ -139,7 +139,7 @@ def test_full_disk(tmp_path, small_ext4, host_budget, tiers):
 def test_failed_replacement_never_reads_the_old_bytes_as_the_new_dtype(small_ext4):
     d, ballast = os.path.join(small_ext4.mnt, "store"), os.path.join(small_ext4.mnt, "ballast")
     old, new = torch.arange(300_000, dtype=torch.float32), torch.full((300_000,), 7, dtype=torch.int32)  # same bytes
-    s = Store(d, host_budget=0, lock_memory=False)
+    s = Store(d, budgets={"host": 0}, lock_memory=False)
     try:
         s.put("x", old)
         s.flush()

@@ -28,7 +28,7 @@ def pristine(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("pristine") / "store")
     rng = random.Random(11)
     want = {}
-    with Store(d, host_budget=0, buffer_bytes=1 << 20, pinned_budget=4 << 20, lock_memory=False) as s:
+    with Store(d, budgets={"host": 0, "pinned": 4 << 20}, buffer_bytes=1 << 20, lock_memory=False) as s:
         for i in range(6):
             spec = random_spec(rng, ("tiny", "tiny", "mid"))
             spec["codec"] = None
@@ -71,7 +71,7 @@ def test_planted_files(tmp_path, pristine):
             what = f"{kind} at {name}, open mode {mode!r}"
             print(what)
             try:
-                s = Store.open(d, mode=mode, host_budget=0, pinned_budget=4 << 20, lock_memory=False)
+                s = Store.open(d, mode=mode, budgets={"host": 0, "pinned": 4 << 20}, lock_memory=False)
                 try:
                     for n, spec in want.items():
                         assert same_bits(s.get(n), value_of(spec)), f"get({n!r}) wrong after {what}"

@@ -25,7 +25,7 @@ def read_store(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("reads") / "store")
     rng = random.Random(11)
     want = {}
-    with Store(d, host_budget=0, buffer_bytes=1 << 20, pinned_budget=4 << 20, lock_memory=False) as s:
+    with Store(d, budgets={"host": 0, "pinned": 4 << 20}, buffer_bytes=1 << 20, lock_memory=False) as s:
         for i, size in enumerate(["tiny"] * 4 + ["mid"] * 2 + ["big"] * 2):
             spec = random_spec(rng, (size,))
             spec["n"] = max(ROW, spec["n"] - spec["n"] % ROW)  # stored as rows of ROW elements
@@ -67,8 +67,8 @@ def test_read_faults(read_store, tmp_path, monkeypatch):
     campaign = "read faults (EIO, short reads, fstat failing)"
     real_fstat = os.fstat
     for seed in seeds(campaign, trials(12, 300)):
-        with trial(campaign, seed) as rng, Store.open(d, host_budget=0, buffer_bytes=1 << 20,
-                                                      pinned_budget=4 << 20, lock_memory=False) as s:
+        with trial(campaign, seed) as rng, Store.open(d, budgets={"host": 0, "pinned": 4 << 20},
+                                                      buffer_bytes=1 << 20, lock_memory=False) as s:
             what, read, right = _read(s, want, rng)
             kind = rng.choice(["eio", "eio", "short"])
             fstat_fails = rng.random() < 0.5
