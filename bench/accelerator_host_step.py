@@ -1,6 +1,6 @@
 """Where the host tier's step goes with the model on an accelerator, and the two places it could run. Run by
 hand on a machine with an accelerator ([Note: the inner step's implementation on the CPU] in
-tierstore/zero/stepper.py; figures in bench/README.md, "Accelerator checks"):
+tierstore/zero/step/stepper.py; figures in bench/README.md, "Accelerator checks"):
 
     python bench/accelerator_host_step.py --params 300e6
 

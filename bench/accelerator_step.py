@@ -88,7 +88,7 @@ def main() -> int:
                                 state_codec=codec,
                                 nvme_paths=[os.path.join(a.dir, name)] if "nvme" in (ptier, tier) else None)
             # fused=True as torch's: the states on the host and nvme tiers step on the CPU, where torch's default
-            # is its for-loop ([Note: the inner step's implementation on the CPU] in tierstore/zero/stepper.py)
+            # is its for-loop ([Note: the inner step's implementation on the CPU] in tierstore/zero/step/stepper.py)
             opt = Zero3Optimizer(model, torch.optim.AdamW, lr=1e-4, config=cfg, fused=True)
         cases[name] = (model, opt, [], [])
     print(f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}; GPT {n_params / 1e6:.0f}M params "

@@ -1,4 +1,4 @@
-"""A checkpoint directory as save_checkpoint owns it (tierstore/zero/ckpt_dir.py): nothing it did not write is
+"""A checkpoint directory as save_checkpoint owns it (zero/checkpoint/directory.py): nothing it did not write is
 followed, written or removed ([Note: what save_checkpoint removes]); keep and client_state are checked before
 anything is created; one writer at a time ([Note: one writer per checkpoint directory]); readers and a
 concurrent cleanup ([Note: readers and a concurrent cleanup]); latest and meta.json are read only as regular
@@ -21,8 +21,8 @@ from tests.support.models import batches, loss_fn, make_pair
 from tests.support.zero import cfg
 from tierstore.errors import CorruptionError, MisuseError, TierstoreIOError, TierstoreValueError
 from tierstore.zero import Zero3Optimizer, consolidate
-from tierstore.zero.ckpt_dir import LOCK, MARK
-from tierstore.zero.ckpt_records import RecordFile
+from tierstore.zero.checkpoint.directory import LOCK, MARK
+from tierstore.zero.checkpoint.records import RecordFile
 
 
 def trained(tmp_path, name="a", steps=1):
@@ -282,7 +282,7 @@ def test_a_removed_lock_file_is_taken_anew_and_whoever_holds_it_writes(tmp_path)
 
 
 def test_an_optimizer_saving_into_new_directories_holds_a_bounded_number(tmp_path):
-    from tierstore.zero import ckpt_dir
+    from tierstore.zero.checkpoint import directory as ckpt_dir
     _m, opt = trained(tmp_path)
     for k in range(ckpt_dir.HOLD_MAX + 3):
         opt.save_checkpoint(tmp_path / f"checkpoint-{k}" / "optimizer", keep=0)
@@ -362,7 +362,7 @@ def test_without_flock_the_owner_record_decides(tmp_path, monkeypatch):
     import json
     import subprocess
 
-    from tierstore.zero import ckpt_dir
+    from tierstore.zero.checkpoint import directory as ckpt_dir
 
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))

@@ -15,8 +15,10 @@ from tests.support.dist import run_ranks
 from tests.support.models import batches, loss_fn, make_pair
 from tests.support.zero import cfg
 from tierstore.errors import TierstoreError, TierstoreIOError  # noqa: E402
-from tierstore.zero import Zero3Optimizer, ckpt_meta, ckpt_records, consolidate  # noqa: E402
-from tierstore.zero.ckpt_dir import LOCK  # noqa: E402
+from tierstore.zero import Zero3Optimizer, consolidate
+from tierstore.zero.checkpoint import meta as ckpt_meta  # noqa: E402
+from tierstore.zero.checkpoint import records as ckpt_records
+from tierstore.zero.checkpoint.directory import LOCK  # noqa: E402
 
 
 def train(m, opt, data):

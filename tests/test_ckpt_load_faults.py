@@ -14,7 +14,7 @@ from tests.support import batches, cfg, flip_byte, loss_fn, make_pair
 from tierstore.errors import CorruptionError, MisuseError, TierstoreIOError
 from tierstore.zero import Zero3Optimizer, consolidate
 from tierstore.zero.checkpoint import read_meta
-from tierstore.zero.ckpt_records import RecordFile  # the reader: finds the byte to damage
+from tierstore.zero.checkpoint.records import RecordFile  # the reader: finds the byte to damage
 
 
 def train(m, opt, data):

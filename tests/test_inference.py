@@ -4,7 +4,7 @@ from_pretrained under Init, or from a safetensors checkpoint onto meta parameter
 raises the store's CorruptionError naming the parameters; the weights materialised at once stay within the
 budget on a model several times the budget, and so does the process's resident memory while such a model is
 built under zero.Init, offloaded and generated from. See [Note: inference over the ZeRO-3 hooks] in
-tierstore/zero/inference.py."""
+tierstore/zero/inference/offload.py."""
 from __future__ import annotations
 
 import copy
@@ -294,7 +294,7 @@ def test_buckets_hold_neighbouring_modules_only(tmp_path):
         layers = [{int(x) for pc in off.layout.bucket(g).pieces for x in re.findall(r"\.h\.(\d+)\.", pc.name)}
                   for g in range(len(off.layout.subgroups))]
         assert len(layers) > 6 and all(len(s) <= 1 for s in layers), layers
-    from tierstore.zero._layout import Layout
+    from tierstore.zero.params.layout import Layout
     with pytest.raises(TierstoreValueError, match="frozen_groups"):
         Layout([("a", (4,), torch.float32, False), ("b", (4,), torch.float32, False)], [([], {})], 1,
                min_io_bytes=4096, bucket_bytes=8192, frozen_groups=[["a"]])

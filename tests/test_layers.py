@@ -109,3 +109,117 @@ def test_the_commands_outside_bench_import_nothing_from_it(module):
     from_bench = [(n, line) for n, line in _imports(module) if n == "tierstore.bench" or
                   n.startswith("tierstore.bench.")]
     assert not from_bench, f"{module} imports from tierstore.bench: {from_bench}"
+
+
+# -- zero/: wings around a small core ---------------------------------------------------------------------------
+# The core's leaves (configuration, process-group helpers, keys) at the bottom, then the wings, each one concern,
+# then the optimizer that assembles them. A wing may import its own modules and anything ranked below it.
+ZERO_RANK = {
+    "tierstore.zero.params": 1,
+    "tierstore.zero.hooks": 2,
+    "tierstore.zero.step": 3,
+    "tierstore.zero.checkpoint": 4,
+    "tierstore.zero.inference": 5,
+    "tierstore.zero.release": 5,
+    "tierstore.zero.optimizer": 6, "tierstore.zero.ds_config": 7,
+    "tierstore.zero": 8,  # the package's own __init__: the public names
+}
+
+
+def _zero_modules() -> list[str]:
+    out = []
+    for d, _dirs, names in os.walk(os.path.join(PKG, "zero")):
+        for n in names:
+            if n.endswith(".py"):
+                rel = os.path.relpath(os.path.join(d, n), ROOT)[:-3].replace(os.sep, ".")
+                out.append(rel[:-len(".__init__")] if rel.endswith(".__init__") else rel)
+    return sorted(out)
+
+
+def _zero_place(module: str) -> tuple[int, str]:
+    """(rank, wing) of a zero module; a core leaf (not named in ZERO_RANK) ranks 0, its wing is itself."""
+    parts = module.split(".")
+    for k in range(len(parts), 2, -1):
+        r = ZERO_RANK.get(".".join(parts[:k]))
+        if r is not None:
+            return r, ".".join(parts[:k])
+    return 0, module
+
+
+def _zero_target(name: str) -> str | None:
+    """The zero module an imported name lives in (`tierstore.zero.params.init.Init` -> its module)."""
+    parts = name.split(".")
+    while len(parts) > 2:
+        mod = ".".join(parts)
+        base = os.path.join(ROOT, *parts)
+        if os.path.exists(base + ".py") or os.path.exists(os.path.join(base, "__init__.py")):
+            return mod
+        parts.pop()
+    return None
+
+
+@pytest.mark.parametrize("module", _zero_modules())
+def test_zero_imports_only_go_down(module):
+    own_rank, own_wing = _zero_place(module)
+    up = []
+    for name, line in _imports(module):
+        if not name.startswith("tierstore.zero"):
+            continue
+        target = _zero_target(name)
+        if target is None or target == module:
+            continue
+        rank, wing = _zero_place(target)
+        if (wing == own_wing and rank > 0) or target.startswith(module + "."):
+            continue  # within one wing, or a package importing its own modules
+        if rank < own_rank or (rank == own_rank == 0):
+            continue  # below, or a core leaf using another core leaf (circles are caught below)
+        up.append((name, line))
+    assert not up, f"{module} imports a zero module at or above its own rank: {up}"
+
+
+def test_no_import_circles_anywhere():
+    """No circle among tierstore's modules, lazy imports and TYPE_CHECKING blocks included."""
+    mods = []
+    for d, _dirs, names in os.walk(PKG):
+        for n in names:
+            if n.endswith(".py"):
+                rel = os.path.relpath(os.path.join(d, n), ROOT)[:-3].replace(os.sep, ".")
+                mods.append(rel[:-len(".__init__")] if rel.endswith(".__init__") else rel)
+    known = set(mods)
+
+    def target(name: str) -> str | None:
+        parts = name.split(".")
+        while parts and ".".join(parts) not in known:
+            parts.pop()
+        return ".".join(parts) if parts else None
+    graph = {m: {t for n, _ in _imports(m) if (t := target(n)) and t != m and not m.startswith(t + ".")
+                 and not t.startswith(m + ".")} for m in mods}
+    # a package's __init__ re-exporting its modules is not a circle with them; any other cycle is
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+    import sys as _sys
+    _sys.setrecursionlimit(10000)
+    for m in mods:
+        if m not in index:
+            visit(m)
+    assert not cycles, f"import circles: {cycles}"

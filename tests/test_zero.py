@@ -228,7 +228,7 @@ def test_step_pipeline_overlaps_and_bounds_in_flight():
     import threading
     import time as _time
 
-    from tierstore.zero.pipeline import StepPipeline
+    from tierstore.zero.step.pipeline import StepPipeline
 
     events, lock = [], threading.Lock()
 
@@ -274,7 +274,7 @@ def test_step_pipeline_reads_small_sub_groups_further_ahead_within_the_bytes_of_
     where a count of sub-groups allows one -- and never more: full-size ones are read one ahead as before."""
     import threading
 
-    from tierstore.zero.pipeline import StepPipeline
+    from tierstore.zero.step.pipeline import StepPipeline
 
     started, gate, at_first = [], threading.Event(), []
 

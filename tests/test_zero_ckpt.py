@@ -241,7 +241,7 @@ def _kill_rounds(tmp_path, ctx, rng, seen):
 
 def test_damaged_record_index_or_size_is_reported_with_file_and_offset(tmp_path):
     from tierstore.zero.checkpoint import read_meta
-    from tierstore.zero.ckpt_records import RecordFile  # the reader: finds the byte to damage
+    from tierstore.zero.checkpoint.records import RecordFile  # the reader: finds the byte to damage
     _, m = make_pair()
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path / "a"))
     train(m, opt, batches(2))
@@ -276,8 +276,8 @@ def test_unknown_versions_are_refused_naming_them(tmp_path):
     """Version 1 (pickles) is refused too: see tests/test_ckpt_security.py."""
     import json
 
-    from tierstore.zero import checkpoint as ckpt
-    from tierstore.zero.ckpt_meta import body_crc
+    from tierstore.zero.checkpoint import api as ckpt
+    from tierstore.zero.checkpoint.meta import body_crc
     _, m = make_pair()
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path / "a", "host", "nvme", "host"))
     train(m, opt, batches(2))

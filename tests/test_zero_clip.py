@@ -1,7 +1,7 @@
 """Gradient clipping through torch's own functions on a ZeRO-3 model: torch.nn.utils.clip_grad_norm_ /
 clip_grad_value_ / clip_grads_with_norm_ over model.parameters() (and accelerate's clip_grad_norm_, which calls
 torch's) are the optimizer's exact global operations, or raise -- never a silent 0. See [Note: clipping
-through torch's functions] in tierstore/zero/clip.py."""
+through torch's functions] in tierstore/zero/step/clip.py."""
 from __future__ import annotations
 
 import gc
@@ -13,7 +13,8 @@ import torch.nn as nn
 
 from tests.support import batches, cfg, loss_fn, make_pair, max_rel, run_ranks
 from tierstore.errors import MisuseError, TierstoreValueError
-from tierstore.zero import Zero3Optimizer, registry
+from tierstore.zero import Zero3Optimizer
+from tierstore.zero.params import registry
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

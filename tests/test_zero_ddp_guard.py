@@ -1,6 +1,6 @@
 """DistributedDataParallel around a ZeRO-3 model, directly or through accelerate's own ``Accelerator.prepare``
 at world size 2: refused when it wraps, naming the supported calls, the model untouched and still training
-equal to the unwrapped run ([Note: DistributedDataParallel around a ZeRO-3 model] in tierstore/zero/model_guard.py)."""
+equal to the unwrapped run ([Note: DistributedDataParallel around a ZeRO-3 model] in model_guard.py)."""
 from __future__ import annotations
 
 import os

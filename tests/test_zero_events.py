@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from tierstore.zero import OffloadConfig, Zero3Optimizer
-from tierstore.zero.events import HookEvents
+from tierstore.zero.hooks.events import HookEvents
 from tierstore.zero.phase import Phase
 
 

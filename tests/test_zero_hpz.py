@@ -1,4 +1,4 @@
-"""hpZ ([Note: hpZ] in tierstore/zero/hpz.py) at world 4 as 2 simulated nodes x 2 ranks (gloo): the same
+"""hpZ ([Note: hpZ] in tierstore/zero/hooks/hpz.py) at world 4 as 2 simulated nodes x 2 ranks (gloo): the same
 losses and parameters as without hpZ (bit-equal; close with qwZ), backward's all-gathers inside the node
 (inter-node bytes counted per process group: 0), the forward's through the world group, activation
 recomputation gathering again from the secondary, and the settings that mean no hpZ or are wrong."""
@@ -18,7 +18,7 @@ from tierstore.errors import TierstoreValueError
 from tierstore.quant.collectives import payload_nbytes
 from tierstore.quant.layout import DEFAULT_BLOCK
 from tierstore.zero import OffloadConfig, Zero3Optimizer
-from tierstore.zero.events import HookEvents
+from tierstore.zero.hooks.events import HookEvents
 
 WORLD, NODE = 4, 2
 STEPS = 4
@@ -232,7 +232,7 @@ def test_config_checks_and_deepspeed_mapping():
     ([("a", "2"), ("a", "2"), ("b", "4"), ("b", "4")], "LOCAL_WORLD_SIZE differ"),
 ])
 def test_node_size_from_the_topology(monkeypatch, facts, expect):
-    from tierstore.zero import hpz
+    from tierstore.zero.hooks import hpz
     monkeypatch.setattr(hpz._dist, "all_gather_object", lambda obj, group=None: facts)
     if isinstance(expect, int):
         assert hpz._node_size(None, len(facts)) == expect

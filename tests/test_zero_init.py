@@ -24,7 +24,7 @@ from tests.support import (
 )
 from tierstore.errors import MisuseError, TierstoreValueError
 from tierstore.zero import Init, TiledLinear, Zero3Optimizer
-from tierstore.zero.init import OffloadedParameter
+from tierstore.zero.params.init import OffloadedParameter
 
 
 def _measure_build(root: str) -> dict:

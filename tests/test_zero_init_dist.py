@@ -113,7 +113,7 @@ CASES = [  # (model dtype, compute dtype, params tier)
 
 def sc_bits(rank, world, root):
     """Init build vs plain build, same seed: gathered parameters and fp32 masters bit for bit."""
-    import tierstore.zero.init as zinit
+    import tierstore.zero.params.init as zinit
     zinit.CHUNK_MIN_BYTES = 0  # (this rank's later scenarios too) chunks of sub_group_bytes, 8 KiB: big's slice spans 3
     out = {}
     for i, (mdt, cdt, tier) in enumerate(CASES):

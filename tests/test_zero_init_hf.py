@@ -2,7 +2,7 @@
 plainly with the same seed -- torch modules whose parents re-initialise their children, transformers' GPT-2 and
 Llama (post_init / _init_weights) -- and from_pretrained under Init streams the checkpoint into the store;
 GatheredParameters / opt.gathered(modifier_rank=...) keep writes. See [Note: initialisation right by
-construction] in tierstore/zero/init.py and [Note: gathered parameters] in gathered.py."""
+construction] in tierstore/zero/params/init.py and [Note: gathered parameters] in gathered.py."""
 from __future__ import annotations
 
 import pathlib
@@ -14,7 +14,7 @@ import torch.nn as nn
 from tests.support import batches, cfg, loss_fn, make_pair, run_ranks
 from tierstore.errors import MisuseError
 from tierstore.zero import GatheredParameters, Init, Zero3Optimizer
-from tierstore.zero.init import OffloadedParameter
+from tierstore.zero.params.init import OffloadedParameter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -260,7 +260,7 @@ def test_post_init_holds_one_module_at_a_time(tmp_path, monkeypatch):
     it brings back are held one module's worth at a time, not the model."""
     import transformers
 
-    from tierstore.zero import init as zinit
+    from tierstore.zero.params import init as zinit
     held: list[int] = []
     real = zinit._materialize
 

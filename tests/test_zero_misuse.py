@@ -163,7 +163,7 @@ def test_a_failed_construction_leaves_the_model_and_the_directory_free(tmp_path,
     """A constructor that raises after its hooks are on the model (here hpZ's attach) takes them back, with
     its registration and its store: the model keeps its values and no hook, and the next optimizer takes it
     on the same directory (no store left open, no directory locked, no hook on the model)."""
-    from tierstore.zero import hpz
+    from tierstore.zero.hooks import hpz
     ref, m = make_pair()
     real = hpz.Hpz.attach
 
@@ -181,7 +181,7 @@ def test_a_failed_construction_leaves_the_model_and_the_directory_free(tmp_path,
     opt = _opt(tmp_path, model=m)
     assert _losses(opt, m) == pytest.approx(want, rel=1e-5)
     opt.close()
-    from tierstore.zero import registry
+    from tierstore.zero.params import registry
     assert all(o is not None and o.store is not None for o in registry.open_optimizers())
 
 

@@ -1,7 +1,7 @@
 """A ZeRO-3 model behaves like a model: model.state_dict() yields full tensors (never shape [0]),
 load_state_dict() writes into the shards and the masters, at world size 1 and 2, on host and nvme tiers;
 safetensors and transformers' save_pretrained / from_pretrained round-trip. See [Note: a partitioned model's
-state dict] in tierstore/zero/module_state.py."""
+state dict] in tierstore/zero/params/module_state.py."""
 from __future__ import annotations
 
 import copy
@@ -229,7 +229,7 @@ def test_gpt2_save_pretrained_from_pretrained(tmp_path):
 def test_state_dict_holds_one_gathered_bucket_at_a_time(tmp_path, monkeypatch):
     import weakref
 
-    from tierstore.zero import module_state
+    from tierstore.zero.params import module_state
     _, z_m = make_pair()
     opt = Zero3Optimizer(z_m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path, "host", "host", "host"))
     alive_at_call = []

@@ -2,7 +2,7 @@
 whose reduce-scatter is final while backward goes on, and the result is bit for bit that of overlap_step=False
 -- on the host and nvme tiers, with gradient accumulation (only the last micro-batch steps) and with
 clip_mode="previous_norm" -- and close to one process on the full batch with torch's AdamW. See [Note:
-overlapped step at world size N] in tierstore/zero/finals.py."""
+overlapped step at world size N] in tierstore/zero/hooks/finals.py."""
 from __future__ import annotations
 
 import os

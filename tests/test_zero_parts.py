@@ -53,7 +53,7 @@ def test_prefetcher_reads_ahead_hands_over_and_drops():
     """The Prefetcher alone (world size 1: reads only, no all-gather posted): what `ahead` names is read on
     its worker thread, `shard` hands a read-ahead shard over (a hit) or reads now, held buckets are not read,
     and `drop` forgets the rest."""
-    from tierstore.zero.prefetch import Prefetcher
+    from tierstore.zero.hooks.prefetch import Prefetcher
     reads = []
 
     def fetch(gid):
@@ -82,7 +82,7 @@ def test_prefetcher_reads_ahead_hands_over_and_drops():
 def test_prefetcher_reads_further_ahead_within_its_bytes():
     """[Note: reading ahead by bytes]: past the depth, modules are read ahead while the shards read ahead and
     not yet used fit in read_bytes, in order; a shard used frees its bytes for the next module."""
-    from tierstore.zero.prefetch import READ_AHEAD_MAX, READ_WORKERS, Prefetcher
+    from tierstore.zero.hooks.prefetch import READ_AHEAD_MAX, READ_WORKERS, Prefetcher
     reads = []
 
     def fetch(gid):
@@ -113,7 +113,7 @@ def test_prefetcher_reads_further_ahead_within_its_bytes():
 def test_loaded_subgroup_is_typed_and_the_stepper_steps_it(tmp_path):
     """The stepper's hand-off is a LoadedSubgroup: load -> step_loaded -> save by hand does what step() does
     for that sub-group (the master moves, the states land in the store under keys.state)."""
-    from tierstore.zero.stepper import LoadedSubgroup
+    from tierstore.zero.step.stepper import LoadedSubgroup
     opt = _trained(tmp_path, steps=1, params="device", states="nvme", grads="host")
     try:
         gid = opt.layout.trainable_gids()[0]
@@ -137,7 +137,7 @@ def test_loaded_subgroup_is_typed_and_the_stepper_steps_it(tmp_path):
 
 
 def test_checkpoint_interface_round_trips_a_subgroup(tmp_path):
-    """export_subgroup / import_subgroup / hyperparams / scaler_state: what checkpoint.py uses instead of
+    """export_subgroup / import_subgroup / hyperparams / scaler_state: what checkpoint/ uses instead of
     the optimizer's private members."""
     net = dict(d=64, h=128)  # sub-groups of 16K elements: their states are packed (>= MIN_QUANT_NUMEL)
     a = _trained(tmp_path / "a", steps=2, net=net, states="nvme", state_codec="dynamic8", min_io_bytes=1 << 14,
@@ -169,8 +169,8 @@ def test_skipped_params_plan_and_put_back():
     """SkippedParams alone: a bucket some of whose parameters got no gradient is stepped, their elements
     recorded as runs; keep/restore put those elements of the master and of old states back, and give a
     state this step creates its fresh value there."""
-    from tierstore.zero._layout import Layout
-    from tierstore.zero.skipped import SkippedParams
+    from tierstore.zero.params.layout import Layout
+    from tierstore.zero.step.skipped import SkippedParams
     layout = Layout([("a", (4,), torch.float32, True), ("b", (4,), torch.float32, True),
                      ("c", (4,), torch.float32, True)], [([], {})], 1, min_io_bytes=1 << 20, bucket_bytes=1 << 20)
     opt = torch.optim.Adam([torch.zeros(1)], lr=0.1)
@@ -200,8 +200,8 @@ def test_eight_bit_states_pack_and_unpack(tmp_path):
     codec's error; a state the policy keeps fp32 (or no policy) is stored as it is."""
     from tierstore.quant.states import StatePolicy
     from tierstore.store import Store
-    from tierstore.zero.state8 import EightBitStates
-    from tierstore.zero.stepper import BufferPool
+    from tierstore.zero.step.state8 import EightBitStates
+    from tierstore.zero.step.stepper import BufferPool
     with Store([str(tmp_path / "s")], budgets={"device": 0, "host": 0}) as store:
         q = EightBitStates(store, "nvme", StatePolicy.make(), BufferPool(torch.device("cpu"), 2))
         v = torch.randn(1 << 14)
@@ -223,7 +223,7 @@ def test_step_stream_queues_by_bytes_loads_by_depth_and_keeps_order():
     import threading
     import time
 
-    from tierstore.zero.pipeline import StepStream
+    from tierstore.zero.step.pipeline import StepStream
 
     gate = threading.Event()
     lock = threading.Lock()
@@ -273,7 +273,7 @@ def test_buffers_lent_to_writes_are_bounded_until_given_back():
     import threading
     import time
 
-    from tierstore.zero.stepper import BufferPool
+    from tierstore.zero.step.stepper import BufferPool
 
     pool = BufferPool(torch.device("cpu"), 4, lend_bytes=8 << 20)
     a, b, c = (pool.take(1 << 20, torch.float32) for _ in range(3))  # 4 MiB each
@@ -304,7 +304,7 @@ def test_only_the_pools_own_buffers_are_recycled():
     import re
 
     from tierstore.tiers.host import aligned_empty
-    from tierstore.zero.stepper import BufferPool
+    from tierstore.zero.step.stepper import BufferPool
 
     def huge_advised(addr: int) -> bool:
         span = None
@@ -365,7 +365,7 @@ def test_importing_a_subgroup_without_states_forgets_its_8bit_ones(tmp_path):
 
 
 def test_the_cpu_step_warning_applies_only_to_an_unchosen_implementation_for_an_accelerator_model():
-    from tierstore.zero.stepper import cpu_path_warning
+    from tierstore.zero.step.stepper import cpu_path_warning
 
     cpu, acc = torch.device("cpu"), torch.device("cuda")  # a device object only: nothing runs there
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from tierstore.zero.backward_schedule import BackwardSchedule, Entry, Visit
+from tierstore.zero.hooks.backward_schedule import BackwardSchedule, Entry, Visit
 
 
 def forward(s: BackwardSchedule, entries) -> None:

@@ -1,4 +1,5 @@
-"""What the training step does not do: copies at world size 1 ([Note: gathering at world size 1] in hooks.py,
+"""What the training step does not do: copies at world size 1 ([Note: gathering at world size 1] in
+hooks/coordinator.py,
 [Note: gradient bytes copied once] in gradient_reducer.py), fresh gradient partitions each step ([Note:
 persistent gradient partitions] in grad_partitions.py), and the disk bytes it reports by kind ([Note: disk
 bytes by kind] in disk_bytes.py)."""
@@ -717,7 +718,7 @@ def test_the_steps_writes_come_from_its_buffers_which_come_back_only_when_writte
     buffers first); a buffer is recycled only once every write from it has finished; training stays
     bit-equal to torch."""
     from tierstore.tiers.nvme.writes import ExtentWriter
-    from tierstore.zero.stepper import BufferPool
+    from tierstore.zero.step.stepper import BufferPool
 
     paths: dict[str, list[str]] = {"direct": [], "streamed": []}
     real_direct, real_streamed = ExtentWriter._write_direct, ExtentWriter._write_streamed

@@ -15,7 +15,7 @@ DeepSpeed's ``cpu_checkpointing`` does. Everything else stays in memory, untouch
 A saved tensor stays in memory (returned as it is) when it is smaller than ``min_bytes`` (unless
 ``small_batch_bytes`` batches it: [Note: small saves batched]), an
 ``nn.Parameter`` or a view of one (ZeRO-3's gathered parameters are views of its buckets, which the hooks
-release and gather again on their own: [Note: gather and release] in zero/hooks.py), a tensor subclass,
+release and gather again on their own: [Note: gather and release] in zero/hooks/coordinator.py), a tensor subclass,
 sparse, quantized, conjugated or negated, saved while a backward runs (a recomputation: it is used right
 away), outside ``mode``, or when offloading it would take the bytes held by the store past ``budget_bytes``.
 What is offloaded is written by a background thread: the tensor is held until its bytes are in the store,
@@ -47,7 +47,7 @@ needs. A record's bytes leave that window when backward unpacks it, before the n
 until its read returns, a window of one tensor would start the next read only every other unpack). A
 record whose write has not finished yet is not read: its tensor is still in memory and is used
 as it is (the write is cancelled or its result discarded). With ZeRO-3 the ``backward_begin`` event of its
-hooks ([Note: hook events] in zero/events.py) starts the reads before the first unpack.
+hooks ([Note: hook events] in zero/hooks/events.py) starts the reads before the first unpack.
 
 [Note: per-save bookkeeping]
 With every activation offloaded, what stays in memory until backward grows with depth, one layer at a time:
@@ -508,7 +508,7 @@ class ActivationOffload:
             return flat.view(rec.size)
         return flat.as_strided(rec.size, rec.stride, flat.storage_offset())
 
-    # -- ZeRO-3 events ([Note: hook events] in zero/events.py) --------------------------------------------------
+    # -- ZeRO-3 events ([Note: hook events] in zero/hooks/events.py) --------------------------------------------------
     def attach(self, coordinator) -> None:
         """Follow a ZeRO-3 ParamCoordinator (``opt.coordinator``): the hooks are on during each forward of its
         model (forward_begin .. forward_end) and the reads start at backward_begin. See [Note: attached to

@@ -6,7 +6,7 @@ returns a model one of the jobs saved (checked by its digest against the oracle 
 save) and never reports a checkpoint a writer pruned as corrupt; at the end `latest` names the last job's
 last save (or the one it was making as it died); the user's own files in the directory are untouched.
 See [Note: one writer per checkpoint directory] and [Note: readers and a concurrent cleanup] in
-tierstore/zero/ckpt_dir.py, and docs/reliability.md."""
+tierstore/zero/checkpoint/directory.py, and docs/reliability.md."""
 from __future__ import annotations
 
 import errno

@@ -1,5 +1,5 @@
 """`tierstore bench hpz`: the bytes ZeRO-3's all-gathers send inside and across nodes per training step,
-without and with hpZ ([Note: hpZ] in zero/hpz.py), with and without qwZ, on simulated nodes: ``--nodes`` x
+without and with hpZ ([Note: hpZ] in zero/hooks/hpz.py), with and without qwZ, on simulated nodes: ``--nodes`` x
 ``--ranks-per-node`` gloo processes on this machine (LOCAL_WORLD_SIZE set as torchrun sets it).
 
 Every all-gather call (torch.distributed.all_gather_into_tensor, and all_gather_single where torch has it)
@@ -90,7 +90,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     import torch.distributed as dist
 
     from tierstore.zero import OffloadConfig, Zero3Optimizer
-    from tierstore.zero.events import HookEvents
+    from tierstore.zero.hooks.events import HookEvents
 
     torch.set_num_threads(1)
     os.environ.update(LOCAL_WORLD_SIZE=str(args.ranks_per_node), LOCAL_RANK=str(rank % args.ranks_per_node))

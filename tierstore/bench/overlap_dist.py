@@ -9,7 +9,7 @@ Each rank builds the four optimizers over four copies of one model (each its own
 times each step between two barriers (so a step's time is the slowest rank's); rank 0 prints, per case, the
 median full step and the median first forward after a step, the ratios against overlap_step=False, and the
 load average before and after (see [Note: ratios, not lone numbers] in _common.py). [Note: overlapped step at
-world size N] in zero/finals.py; [Note: prefetch after the step] in zero/prefetch.py.
+world size N] in zero/hooks/finals.py; [Note: prefetch after the step] in zero/hooks/prefetch.py.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ held-out text (the last tenth, never trained on) every few steps and at the end.
 optimizer's final eval-loss gap to fp32 AdamW in memory at the same learning rate, side by side:
 
 - tierstore dynamic8, fused: Zero3Optimizer(torch.optim.AdamW), states on nvme with state_codec="dynamic8",
-  stepped by the fused native 8-bit kernel ([Note: fused 8-bit step in ZeRO-3] in zero/state8.py);
+  stepped by the fused native 8-bit kernel ([Note: fused 8-bit step in ZeRO-3] in zero/step/state8.py);
 - tierstore dynamic8, unfused: the same states through the unpack -> torch AdamW -> pack path (an AdamW
   subclass, which the fused kernel does not claim to compute);
 - bitsandbytes AdamW8bit and torchao AdamW8bit, as users would pick them (their defaults), where they import

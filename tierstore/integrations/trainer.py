@@ -14,12 +14,12 @@ live in the store, so each of those calls is replaced where Trainer offers a met
   would use (AdamW, ``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay`` on the parameters
   ``get_decay_parameter_names`` names, 0 on the rest).
 - clipping needs nothing: ``torch.nn.utils.clip_grad_norm_`` over a ZeRO-3 model's parameters (which
-  ``accelerator.clip_grad_norm_`` calls) is the optimizer's exact global norm (zero/clip.py), so
+  ``accelerator.clip_grad_norm_`` calls) is the optimizer's exact global norm (zero/step/clip.py), so
   ``max_grad_norm`` clips and ``grad_norm`` is logged as a plain Trainer logs it.
 - zeroing needs nothing: a ZeRO-3 model's ``zero_grad()`` also forgets the optimizer's gradient partitions
   ([Note: model.zero_grad() forgets the partitions] in zero/optimizer.py).
 - saving the model needs nothing: ``model.state_dict()`` of a ZeRO-3 model yields the full weights, gathered
-  bucket by bucket (zero/module_state.py), so ``model.safetensors`` is what a plain Trainer writes.
+  bucket by bucket (zero/params/module_state.py), so ``model.safetensors`` is what a plain Trainer writes.
 - ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: tierstore's own checkpoint
   (``checkpoint-N/tierstore_optimizer/``: every rank's masters and states, atomic, resharded on load) instead
   of ``optimizer.pt``; ``resume_from_checkpoint`` continues exactly. The frozen parameters are left out of
@@ -154,7 +154,7 @@ class TierstoreTrainer(Trainer):
     # -- saving and resuming -----------------------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # the frozen parameters (a LoRA base) are not rewritten by every save: [Note: frozen parameters left out
-        # of a checkpoint] in zero/frozen_ckpt.py; Trainer's resume reloads them with the model's weights
+        # of a checkpoint] in zero/checkpoint/frozen.py; Trainer's resume reloads them with the model's weights
         self._zero3().save_checkpoint(os.path.join(output_dir, OPTIMIZER_DIR), keep=0, exclude_frozen=True)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))

@@ -20,7 +20,7 @@ bound (1/14 int4, 1/254 int8) and A_b the absmax of the block that carried a ter
 ``traffic()`` counts the payload bytes this process sent to other ranks (its own slices excluded), per
 collective: qwZ sends its packed shard to world - 1 ranks (what each rank forwards in a ring all-gather),
 qgZ sends (L - 1) node slices and (K - 1) row slices; all_gather_packed (hpZ's int8 secondary partition,
-zero/hpz.py) sends its payload to the group's size - 1 ranks. The fp16 references are (world - 1) x shard x 2
+zero/hooks/hpz.py) sends its payload to the group's size - 1 ranks. The fp16 references are (world - 1) x shard x 2
 bytes for both an all-gather and a reduce-scatter.
 """
 from __future__ import annotations

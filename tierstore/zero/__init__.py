@@ -8,14 +8,14 @@ from __future__ import annotations
 from .checkpoint import consolidate, rng_state, set_rng_state
 from .config import OffloadConfig
 from .ds_config import DeepSpeedSetup, from_deepspeed
-from .gathered import GatheredParameters
-from .hooks import register_external_parameter
-from .inference import InferenceStats, OffloadedModel, offload_for_inference
-from .init import Init
+from .hooks.coordinator import register_external_parameter
+from .inference.offload import InferenceStats, OffloadedModel, offload_for_inference
 from .optimizer import Zero3Optimizer
-from .registry import optimizer_of
+from .params.gathered import GatheredParameters
+from .params.init import Init
+from .params.registry import optimizer_of
+from .params.tiled import TiledLinear
 from .release import release_model
-from .tiled import TiledLinear
 
 __all__ = ["DeepSpeedSetup", "GatheredParameters", "InferenceStats", "Init", "OffloadConfig", "OffloadedModel",
            "TiledLinear", "Zero3Optimizer", "consolidate", "from_deepspeed", "offload_for_inference", "optimizer_of",

@@ -13,17 +13,15 @@ partition and ``inner.state[placeholder]`` the states read from the store; ``inn
 (torch optimizers skip parameters whose grad is None), and the results go back to the store. This is exact
 for optimizers whose update is elementwise -- each element's new value depends only on that element's
 parameter, gradient and states, and on scalars (lr, step count) -- so an allow-list is checked and
-anything else is refused (inner.py): a factored (Adafactor) or line-search (LBFGS) update over a flat shard would
-silently be a different optimizer.
+anything else is refused (inner.py): a factored (Adafactor) or line-search (LBFGS) update over a flat shard
+would silently be a different optimizer.
 As in torch (and unlike DeepSpeed, which steps it with a zero gradient), a parameter that got no gradient
 since zero_grad() is not stepped: see [Note: skipped parameters] in skipped.py.
 
-The optimizer is an assembly of parts, each in its module: the model's shards (shards.py), the inner optimizer
-over placeholders (inner.py), the sub-group stepper (stepper.py: load -> step -> save, handed over as a
-LoadedSubgroup), the 8-bit states (state8.py), skipped parameters (skipped.py), the gradient partitions
-(grad_partitions.py), the loss scale and clipping (scaling.py), the hooks (hooks.py) and the overlapped step
-(overlap.py); the speed features among them hear the hooks' events ([Note: hook events] in events.py).
-checkpoint.py uses the interface of [Note: checkpoint interface] below.
+The optimizer is an assembly of the wings' parts: the hooks (hooks/), the step (step/: shards, inner optimizer,
+stepper, 8-bit states, gradient partitions, scaling, the overlapped step), the model's parameters (params/);
+the speed features hear the hooks' events ([Note: hook events] in events.py); checkpoint/ uses the interface
+of [Note: checkpoint interface] below.
 """
 from __future__ import annotations
 
@@ -39,20 +37,23 @@ import torch
 
 from ..errors import MisuseError, TierstoreValueError
 from ..store import Store
-from . import _dist, clip, full_values, rank_state, registry, release, scratch, validate
-from ._layout import Layout
+from . import _dist, release, scratch, validate
+from .checkpoint import rank_state
 from .config import OffloadConfig
-from .disk_bytes import KINDS
-from .events import Subscribers
-from .grad_partitions import GradPartitions
-from .hooks import ParamCoordinator
-from .hpz import Hpz
-from .inner import build_inner, check_elementwise, normalise_groups
-from .module_state import ModuleState
-from .overlap import OverlappedStep
-from .scaling import GradScaling
-from .shards import ModelShards, model_params, param_shapes
-from .stepper import StepContext, SubgroupStepper
+from .hooks.coordinator import ParamCoordinator
+from .hooks.events import Subscribers
+from .hooks.hpz import Hpz
+from .params import full_values, registry
+from .params.layout import Layout
+from .params.module_state import ModuleState
+from .step import clip
+from .step.disk_bytes import KINDS
+from .step.grad_partitions import GradPartitions
+from .step.inner import build_inner, check_elementwise, normalise_groups
+from .step.overlap import OverlappedStep
+from .step.scaling import GradScaling
+from .step.shards import ModelShards, model_params, param_shapes
+from .step.stepper import StepContext, SubgroupStepper
 
 
 def _zero_model_and_partitions(model_zero_grad, opt_ref, set_to_none: bool = True) -> None:
@@ -62,7 +63,6 @@ def _zero_model_and_partitions(model_zero_grad, opt_ref, set_to_none: bool = Tru
     opt = opt_ref()
     if opt is not None and getattr(opt, "store", None) is not None:
         opt.zero_grad(set_to_none)
-
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
                                    lambda: self.overlap is not None and self.overlap.spent())
         self.steps = 0
         # why this optimizer may not be used: a load_checkpoint failed after it had begun importing
-        # ([Note: a failed load changes nothing] in ckpt_verify.py); None: usable
+        # ([Note: a failed load changes nothing] in checkpoint/verify.py); None: usable
         self.unusable: str | None = None
         clip.register(self)  # [Note: clipping through torch's functions]
         self.coordinator = ParamCoordinator(
@@ -337,9 +337,9 @@ class Zero3Optimizer(torch.optim.Optimizer):
 
     # -- the checkpoint interface ---------------------------------------------------------------------------
     # [Note: checkpoint interface]
-    # What checkpoint.py (and state_dict / load_state_dict) read and write of the optimizer, in the optimizer's
+    # What checkpoint/ (and state_dict / load_state_dict) read and write of the optimizer, in the optimizer's
     # terms -- sub-groups by global id, fp32 masters and states, hyperparameters, the loss scaler -- so that
-    # the file format never reaches into its attributes. Public because checkpoint.py is another module, but
+    # the file format never reaches into its attributes. Public because checkpoint/ is another module, but
     # not a training API: a sub-group imported outside a load leaves the ranks' states inconsistent.
 
     def export_subgroup(self, gid: int) -> dict:
@@ -355,7 +355,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
 
     def check_usable(self, what: str) -> None:
         """MisuseError when a failed load_checkpoint left this optimizer unusable ([Note: a failed load changes
-        nothing] in ckpt_verify.py)."""
+        nothing] in checkpoint/verify.py)."""
         if self.unusable is not None:
             raise MisuseError(f"{what}: this Zero3Optimizer is unusable after a failed load_checkpoint (its "
                               f"sub-groups are partly from the checkpoint, partly from before): call "
@@ -402,7 +402,7 @@ class Zero3Optimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         rank_state.load_state_dict(self, state_dict)
 
-    # -- checkpoints (see checkpoint.py) -------------------------------------------------------------------
+    # -- checkpoints (see checkpoint/) -------------------------------------------------------------------
     def save_checkpoint(self, directory: str | os.PathLike, **kwargs) -> str:
         from .checkpoint import save_checkpoint
         return save_checkpoint(self, directory, **kwargs)
@@ -438,8 +438,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
         registry.mark_released(self._params.values(), repr(self))  # [Note: one optimizer per model]
         self.store.close(flush=False)
         self.store = None  # type: ignore[assignment]  # None marks it closed; a Store for as long as it is open
-        # the checkpoint directories it writes pass on ([Note: one writer per checkpoint directory] in ckpt_dir.py)
-        from .ckpt_dir import release as release_checkpoint_dirs
+        # its checkpoint directories pass on ([Note: one writer per checkpoint directory] in directory.py)
+        from .checkpoint.directory import release as release_checkpoint_dirs
         release_checkpoint_dirs(self)
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)

@@ -8,7 +8,7 @@ The coordinator is in one of three phases, and every hook decides by it:
   and release their buckets when they end;
 - BACKWARD: from the first backward hook of a backward (a gradient hook on a module's output, or a
   parameter's gradient landing) until its end-of-backward callback ran. A forward that runs inside it is
-  activation recomputation ([Note: activation recomputation] in hooks.py): not traced, not an entry,
+  activation recomputation ([Note: activation recomputation] in hooks/coordinator.py): not traced, not an entry,
   releasing nothing when it ends.
 A backward that starts while a forward runs (the forward calls backward itself) returns to FORWARD at its
 end. A backward that raised never runs its end callback: the next forward finds the phase still BACKWARD

@@ -20,8 +20,10 @@ import shutil
 import torch
 
 from ..errors import MisuseError
-from . import _dist, clip, registry
-from .partitioned import unpartition
+from . import _dist
+from .params import registry
+from .params.partitioned import unpartition
+from .step import clip
 
 log = logging.getLogger("tierstore.zero")
 
