@@ -2,7 +2,7 @@
  * tierstore block-wise quantization kernels: the ABI that tierstore/quant/_native.py binds with ctypes.
  *
  * This header is the one declaration of that ABI. native/quant.c includes it (so the compiler checks the
- * definitions against it) and tests/test_native_abi.py checks the bindings against it: every function's
+ * definitions against it) and tests/io/test_native_abi.py checks the bindings against it: every function's
  * argument and result types, every constant (against the Python values it mirrors), and the layout of both
  * job structs as the compiler laid them out (tsq_job_layout, tsq_adamw_job_layout) against the ctypes
  * Structures. Every entry point returns 0, a positive count of blocks that held NaN/Inf, or -errno.

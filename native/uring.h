@@ -2,7 +2,7 @@
  * tierstore io_uring core: the ABI that tierstore/io/_uring.py binds with ctypes.
  *
  * This header is the one declaration of that ABI. native/uring.c includes it (so the compiler checks the
- * definitions against it) and tests/test_native_abi.py checks the ctypes bindings against it: every
+ * definitions against it) and tests/io/test_native_abi.py checks the ctypes bindings against it: every
  * function's argument and result types, every constant, and the layout of struct ts_io as the compiler
  * laid it out (ts_io_layout). Every function returns 0 / a count, or -errno.
  */

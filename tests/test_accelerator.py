@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.support import Net, batches, cfg, loss_fn, make_pair, max_rel
-from tests.tier_conformance import MemoryTierTests, cpu_bytes
+from tests.tiers.tier_conformance import MemoryTierTests, cpu_bytes
 from tierstore import ActivationOffload, Store
 from tierstore.io import BufferPool
 from tierstore.quant import SCHEMES, dequantize, quantize
@@ -198,7 +198,7 @@ def test_zero3_bf16_compute_and_8bit_states_train_on_the_accelerator(tmp_path):
     base = _held_out_loss(tmp_path)
     got = _held_out_loss(tmp_path, params="nvme", states="nvme", grads="nvme", compute_dtype=torch.bfloat16,
                          state_codec="dynamic8", overlap_step=True, min_io_bytes=1 << 20, sub_group_bytes=1 << 20)
-    assert abs(got / base - 1) <= 0.1, (got, base)  # as tests/test_zero.py's bf16 compute on the CPU
+    assert abs(got / base - 1) <= 0.1, (got, base)  # as tests/zero/test_zero.py's bf16 compute on the CPU
 
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])

@@ -1,4 +1,4 @@
-"""ctypes bindings of native/uring.c, declared in native/uring.h (tests/test_native_abi.py checks these
+"""ctypes bindings of native/uring.c, declared in native/uring.h (tests/io/test_native_abi.py checks these
 against it). Every call returns 0 / a count or -errno."""
 from __future__ import annotations
 

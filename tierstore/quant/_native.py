@@ -1,5 +1,5 @@
 """ctypes binding of native/quant.c (``tierstore._native_quant``), declared in native/quant.h
-(tests/test_native_abi.py checks these against it). One call = one whole tensor."""
+(tests/io/test_native_abi.py checks these against it). One call = one whole tensor."""
 from __future__ import annotations
 
 import ctypes

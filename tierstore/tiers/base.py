@@ -5,7 +5,7 @@
 The residency layer never asks "is this the nvme tier?": it asks the registry what a tier can do
 (`tier_info(name).persistent`, `.holds_encoded_bytes`, the order fastest first), and calls a tier through
 the Protocol its capabilities promise. A new tier is one `TierInfo` record here plus a class keeping its
-Protocol, checked by the conformance suite in tests/tier_conformance.py. The public API still names tiers
+Protocol, checked by the conformance suite in tests/tiers/tier_conformance.py. The public API still names tiers
 by their strings ('device', 'host', 'nvme').
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The OffloadConfig reference in docs/zero.md, generated from the fields' own metadata (config.py's ``knob``)
 and MEMORY_BOUNDS, so the docs cannot drift from the code: ``reference_table()`` is the markdown between the
-markers BEGIN and END in docs/zero.md (tests/test_config_docs.py compares them), and
+markers BEGIN and END in docs/zero.md (tests/zero/test_config_docs.py compares them), and
 
     python -m tierstore.zero.config_docs --write docs/zero.md
 

@@ -1,11 +1,11 @@
-"""The tier conformance suite (tests/tier_conformance.py) run on each tier of the registry: device (the CPU
+"""The tier conformance suite (tests/tiers/tier_conformance.py) run on each tier of the registry: device (the CPU
 standing in, [Note: the CPU stands in for the accelerator]), host and nvme. Each subclass reads the tier's
 bytes without the tier: memory by address, the nvme tier's extent files with plain file reads."""
 from __future__ import annotations
 
 import os
 
-from tests.tier_conformance import MemoryTierTests, PersistentTierTests, cpu_bytes
+from tests.tiers.tier_conformance import MemoryTierTests, PersistentTierTests, cpu_bytes
 from tierstore.io import BufferPool, Engine
 from tierstore.tiers import REGISTRY, TIERS, DeviceTier, Extent, HostTier, NvmeTier
 from tierstore.tiers.nvme import EXTENT_FILE

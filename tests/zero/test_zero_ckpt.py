@@ -273,7 +273,7 @@ def test_damaged_record_index_or_size_is_reported_with_file_and_offset(tmp_path)
 
 
 def test_unknown_versions_are_refused_naming_them(tmp_path):
-    """Version 1 (pickles) is refused too: see tests/test_ckpt_security.py."""
+    """Version 1 (pickles) is refused too: see tests/zero/test_ckpt_security.py."""
     import json
 
     from tierstore.zero.checkpoint import api as ckpt

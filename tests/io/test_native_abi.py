@@ -14,7 +14,7 @@ from tierstore.io import _uring, checksum
 from tierstore.quant import _native as _quant
 from tierstore.quant import layout, schemes
 
-NATIVE = os.path.join(os.path.dirname(__file__), "..", "native")
+NATIVE = os.path.join(os.path.dirname(__file__), "..", "..", "native")
 
 # C type (as written in the headers, spaces normalised) -> the ctypes type a binding must declare
 _SCALARS = {"void": None, "int": C.c_int, "unsigned": C.c_uint, "uint64_t": C.c_uint64, "int64_t": C.c_int64,

@@ -174,7 +174,7 @@ def test_an_allocation_the_kernel_refuses_names_the_tensor_and_its_size(tmp_path
     with Store(tmp_path / "s", budgets={"host": 0}, lock_memory=False) as s:
         s.put("big", torch.ones(16 * MIB), tier="nvme")  # 64 MiB
         s.put("small", torch.ones(300_000), tier="nvme")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     r = subprocess.run([sys.executable, "-c", _UNDER_A_LIMIT, str(tmp_path / "s")], capture_output=True, text=True,
                        timeout=120, env=env)

@@ -13,7 +13,7 @@ from tierstore.zero import OffloadConfig
 from tierstore.zero.config import GROUPS, MEMORY_BOUNDS
 from tierstore.zero.config_docs import BEGIN, END, REGENERATE, main, reference_table, region, with_table
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIELDS = dataclasses.fields(OffloadConfig)
 
 

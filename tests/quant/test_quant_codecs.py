@@ -12,7 +12,7 @@ from numcodecs import get_codec
 from tierstore.errors import CorruptionError
 from tierstore.quant import BlockInt4, BlockInt8, Dynamic8, build_tables, codec_for, error_bound
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "quant", "golden_v1.json")
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "quant", "golden_v1.json")
 CODECS = [BlockInt8(64), BlockInt4(128, "float16"), Dynamic8(256, signed=True), Dynamic8(8192, "bfloat16", False),
           Dynamic8(256, signed=False, rounding="bounded")]
 

@@ -2,7 +2,7 @@
 index (read_meta, consolidate, load_checkpoint) accept exact data or raise a tierstore error, never another
 exception, never allocate huge memory or create files. The mutations are structural with a
 recomputed, valid crc32c -- a byte flip is caught by the checksum before any parser runs. Checkpoint cases
-that are not fuzzed are in tests/test_ckpt_security.py."""
+that are not fuzzed are in tests/zero/test_ckpt_security.py."""
 from __future__ import annotations
 
 import contextlib

@@ -19,7 +19,7 @@ from tierstore.zero.ds_config import DeepSpeedLR
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-FIX = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
+FIX = os.path.join(os.path.dirname(__file__), "..", "fixtures", "deepspeed")
 HF_ZERO3 = os.path.join(FIX, "hf_zero3.json")
 INFINITY = os.path.join(FIX, "zero_infinity_nvme.json")
 # what HF Trainer passes for its TrainingArguments (fp32, no --bf16/--fp16)

@@ -2,7 +2,7 @@
 contracts of tierstore/tiers/base.py (MemoryTier, PersistentTier) and the registry's capabilities.
 
 A new tier adds a record to `tiers.base.REGISTRY`, a class keeping its Protocol, and a subclass of
-`MemoryTierTests` or `PersistentTierTests` in tests/test_tier_conformance.py that says how to build it and
+`MemoryTierTests` or `PersistentTierTests` in tests/tiers/test_tier_conformance.py that says how to build it and
 how to see its bytes *without* the tier (`raw`): the checks then test the tier against an independent view
 of what it holds, not against itself.
 """

@@ -1,6 +1,6 @@
 """No file a checkpoint load reads may run code, and every malformed field is a tierstore error naming the file
 (see [Note: checkpoints are untrusted input] in tierstore/zero/checkpoint/records.py). The fuzz
-test over the same readers is tests/test_parsers_fuzz.py."""
+test over the same readers is tests/store/test_parsers_fuzz.py."""
 from __future__ import annotations
 
 import json

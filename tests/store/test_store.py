@@ -462,7 +462,7 @@ def test_corruption_in_a_chunked_large_read(tmp_path, aligned):
 def test_extent_files_are_preallocated_best_effort(tmp_path, monkeypatch):
     """Beyond PREALLOC_FROM an extent file's space is reserved ahead of the writes (see
     [Note: extent files are preallocated ahead of the writes]); where fallocate is not supported, writes go on
-    (a full disk refusing fallocate is tests/test_store_faults.py's)."""
+    (a full disk refusing fallocate is tests/store/test_store_faults.py's)."""
     import tierstore.tiers.nvme.writes as nvme
 
     monkeypatch.setattr(nvme, "PREALLOC_FROM", 0)

@@ -1,0 +1,1 @@
+"""The benchmarks' own logic (verdicts, step accounting)."""

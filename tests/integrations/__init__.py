@@ -1,0 +1,1 @@
+"""transformers' Trainer and accelerate."""

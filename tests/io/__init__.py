@@ -1,0 +1,1 @@
+"""The io engine: io_uring and its fallback, the pinned pool, checksums, own files, tuning."""

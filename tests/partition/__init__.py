@@ -1,0 +1,1 @@
+"""The partitioner: plans, resharding, and its distributed runs."""

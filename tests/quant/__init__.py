@@ -1,0 +1,1 @@
+"""Quantizers: the codecs, kernels, schemes, 8-bit states and quantized collectives."""

@@ -1,0 +1,1 @@
+"""The store and its layers: residency, the manifest, rows, faults and security."""

@@ -1,0 +1,1 @@
+"""The tiers: the conformance suite every tier passes, the nvme tier's extents, reads and paths."""

@@ -1,0 +1,1 @@
+"""ZeRO-3 over the store: the optimizer, its hooks, step, parameters, checkpoints, inference."""
