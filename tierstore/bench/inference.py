@@ -12,8 +12,8 @@ hold the whole model in RAM by design and run without a limit.
 Printed per case: tokens/s and its ratio to the model in memory and to accelerate's disk offload, seconds per
 token against the raw engine's time to read the weights once, peak RSS while generating and, under the limit,
 the cgroup's peak (RSS and page cache), the kernel's bytes read per token (/proc/self/io read_bytes: page-cache
-hits are not counted), and the perplexity on held-out text against the fp32 model's; then the CPU cost per token
-of turning bf16 and int8 weights back into fp32. The load average is printed before and after.
+hits are not counted), the time per token the reading threads spent turning bf16 / int8 weights back into fp32,
+and the perplexity on held-out text against the fp32 model's. The load average is printed before and after.
 """
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-steps", type=int, default=30, help="AdamW steps on stdlib text before the run, so the "
                                                                "perplexity means something (default 30)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
+    p.add_argument("--ppl-windows", type=int, default=8, help="windows of 128 bytes the perplexity is taken "
+                                                               "over (default 8)")
     p.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), help="torch threads per case")
 
 
@@ -103,7 +105,7 @@ def run(args) -> int:
     weight_bytes = nparams * 4
     budget = args.budget or max(min(weight_bytes // 4, 128 << 20), 4 * linear_bytes)
     spec = {"model_dir": model_dir, "dir": root, "threads": args.threads, "budget": budget, "tokens": args.tokens,
-            "prompt": 64, "context": CONTEXT, "ppl_windows": 8, "text_bytes": 1 << 20,
+            "prompt": 64, "context": CONTEXT, "ppl_windows": args.ppl_windows, "text_bytes": 1 << 20,
             "acc_dir": os.path.join(root, "accelerate-weights")}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     workers: dict[str, Worker] = {}
@@ -148,12 +150,10 @@ def run(args) -> int:
         eng.close()
     load1 = os.getloadavg()
     result = _summarize(cases, samples, ready, final, raw, args.tokens)
-    convert = _convert_costs(nparams, args.threads)
-    _print(result, args, nparams, weight_bytes, budget, load0, load1, mode, convert)
+    _print(result, args, nparams, weight_bytes, budget, load0, load1, mode)
     write_json(args.json, {"params": nparams, "weight_bytes": weight_bytes, "budget": budget, "tokens": args.tokens,
                            "rounds": args.rounds, "load_start": load0, "load_end": load1, "cases": result,
-                           "raw_read_s": raw, "memory_limit": limit if groups else None, "memory_mode": mode,
-                           "convert_s_per_token": convert})
+                           "raw_read_s": raw, "memory_limit": limit if groups else None, "memory_mode": mode})
     shutil.rmtree(model_dir, ignore_errors=True)  # a run that finished leaves nothing behind (a failed one: logs)
     shutil.rmtree(spec["acc_dir"], ignore_errors=True)
     for c in cases:
@@ -186,29 +186,6 @@ def _apply_limit(cases, groups, why_not, limit, root, base, budget) -> str:
             f"64 MiB headroom; the others hold the model in RAM and run without a limit")
 
 
-def _convert_costs(nparams: int, threads: int) -> dict[str, float]:
-    """Seconds of CPU per token to turn `nparams` weights stored as bf16 / int8 back into fp32, the way the
-    offload does it (inference.py's _fetch), in 4 Mi-element buckets, median of 3."""
-    import time
-
-    import torch
-
-    from ..zero.weight_forms import stored_form, to_compute
-    torch.set_num_threads(threads)
-    n = min(nparams, 4 << 20)
-    x = torch.randn(n)
-    out: dict[str, float] = {}
-    for name, weights in (("bf16", torch.bfloat16), ("int8", "int8")):
-        stored = stored_form(x, weights)
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            to_compute(stored, torch.float32, n, weights)
-            ts.append(time.perf_counter() - t0)
-        out[name] = statistics.median(ts) * nparams / n
-    return out
-
-
 def _summarize(cases, samples, ready, final, raw, tokens) -> dict[str, dict]:
     out: dict[str, dict] = {}
     raw_s = statistics.median(raw) if raw else float("nan")
@@ -219,6 +196,8 @@ def _summarize(cases, samples, ready, final, raw, tokens) -> dict[str, dict]:
                   "read_per_token": statistics.median(x["read"] for x in samples[c]) / tokens,
                   "peak_rss": final[c]["peak_rss"], "rss_loaded": ready[c]["rss_loaded"], "ppl": ready[c]["ppl"],
                   "cgroup_peak": ready[c].get("cgroup_peak"), "rss_base": ready[c].get("rss_base"),
+                  "convert_per_token": final[c]["convert_s"] / final[c]["forwards"] if final[c].get("forwards")
+                  else None,
                   "load_s": ready[c]["load_s"], "stored_bytes": final[c].get("stored_bytes"),
                   "peak_weights": final[c].get("peak_weights"), "tokens_out": final[c].get("tokens_out"),
                   "seconds": s}
@@ -233,7 +212,7 @@ def _x(a, b) -> str:
     return "-" if a is None or b is None or not b or math.isnan(a) or math.isnan(b) else f"{a / b:.2f}x"
 
 
-def _print(result, args, nparams, weight_bytes, budget, load0, load1, mode, convert) -> None:
+def _print(result, args, nparams, weight_bytes, budget, load0, load1, mode) -> None:
     cases = [c for c in result if not c.startswith("_")]
     mem, acc = result.get("memory"), result.get("accelerate")
     fp32_ppl = (result.get("memory") or result.get("nvme-fp32") or result.get("host-fp32") or {}).get("ppl")
@@ -244,14 +223,15 @@ def _print(result, args, nparams, weight_bytes, budget, load0, load1, mode, conv
                      _x(r["tokens_s"], acc and acc["tokens_s"]), f"{r['per_token_vs_raw_read']:.2f}x",
                      fmt_bytes(r["peak_rss"]), fmt_bytes(r["cgroup_peak"]) if r["cgroup_peak"] else "no limit",
                      fmt_bytes(int(r["read_per_token"])),
+                     "-" if r["convert_per_token"] is None else f"{r['convert_per_token'] * 1e3:.0f} ms",
                      f"{r['ppl']:.3f}", _x(r["ppl"], fp32_ppl),
                      {True: "yes", False: "NO", None: "-"}[r["same_tokens_as_memory"]]])
     raw_s = result["_raw_read_s"]["median"]
     print_table(f"bench inference: GPT-2 {nparams / 1e6:.1f}M parameters ({fmt_bytes(weight_bytes)} fp32), "
                 f"{args.tokens} tokens x {args.rounds} rounds, tierstore budget {fmt_bytes(budget)}",
                 ["case", "tokens/s", "vs memory", "vs accelerate", "s/token vs raw read", "peak RSS (generate)",
-                 "peak cgroup (RSS+cache)", "disk read/token", "perplexity", "vs fp32", "same tokens"], rows,
+                 "peak cgroup (RSS+cache)", "disk read/token", "convert/token", "perplexity", "vs fp32",
+                 "same tokens"], rows,
                 caption=f"{mode}\nraw engine reads the fp32 weights once in {raw_s * 1e3:.1f} ms (median); load "
-                        f"average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end; {os.cpu_count()} CPUs\n"
-                        f"CPU per token to turn the weights back into fp32: bf16 {convert['bf16'] * 1e3:.1f} ms, "
-                        f"int8 {convert['int8'] * 1e3:.1f} ms ({args.threads} threads)")
+                        f"average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end; {os.cpu_count()} CPUs; "
+                        f"denormals flushed to zero in every case (torch.set_flush_denormal)")

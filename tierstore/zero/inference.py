@@ -266,7 +266,8 @@ class OffloadedModel:
     # -- the coordinator's store access ---------------------------------------------------------------------
     def _fetch(self, gid: int) -> torch.Tensor:
         """Bucket `gid`'s values in host memory (a tensor of its own; worker threads call this too): in the
-        compute dtype when the CPU computes, else as stored (the gather converts it on the accelerator)."""
+        compute dtype when the CPU computes or the weights are int8, else as stored (the gather converts a bf16 /
+        fp16 one on the accelerator). [Note: converting the weights back] in weight_forms.py"""
         try:
             t = self.store.get(_key(gid))
         except CorruptionError as e:
