@@ -283,6 +283,24 @@ def test_int8_weights_quarter_the_bytes_and_keep_the_loss(tmp_path):
             loss = ref(IDS, labels=IDS).loss
         assert not torch.equal(loss8, loss)  # the weights went through the int8 codes
         assert abs(loss8.item() - loss.item()) <= 0.01 * loss.item()
+        assert off.stats().convert_s > 0  # dequantized on the reading threads, timed
+
+
+def test_stored_weights_come_back_as_the_codec_and_torch_give_them_in_recycled_memory():
+    """[Note: converting the weights back] in zero/inference/weight_forms.py: int8 read back and dequantized by
+    the native kernel equals the store's int8 codec path; bf16 equals torch's cast; both land in the store's
+    recycled (4 KiB-aligned) result memory."""
+    from tierstore.zero.inference.weight_forms import int8_codec, stored_form, to_compute
+    x = torch.randn((1 << 20) + 300, generator=torch.Generator().manual_seed(0))  # a partial last block
+    codec = int8_codec()
+    for weights, want in (("int8", torch.from_numpy(codec.decode(codec.encode(x.numpy())).copy())),
+                          (torch.bfloat16, x.to(torch.bfloat16).float())):
+        stored = stored_form(x, weights)
+        got = to_compute(stored, torch.float32, x.numel(), weights)
+        assert got.dtype == torch.float32 and torch.equal(got, want.view(-1))
+        assert got.data_ptr() % 4096 == 0  # the result pool's mapping, faulted in once and reused
+    fp32 = stored_form(x, None)
+    assert to_compute(fp32, torch.float32, x.numel(), None) is fp32  # nothing to convert: no copy
 
 
 def test_buckets_hold_neighbouring_modules_only(tmp_path):
@@ -393,3 +411,43 @@ def test_gpt2_built_under_init_then_generating_holds_the_budget_not_the_model(tm
     bound = budget + TRIM_EVERY + 2 * pinned + (32 << 20)
     assert r["weights"] >= 2 * bound  # a model the memory would show
     assert max(r["peaks"].values()) <= bound, r["peaks"]
+
+
+def test_bench_runs_disk_cases_under_one_memory_limit_or_says_why_not(tmp_path):
+    """[Note: equal memory for every case] in tierstore/bench/_memlimit.py: a case's process in a cgroup is held to
+    the limit, page cache included; without cgroups the reason is given (the benchmark then drops pages)."""
+    import subprocess
+    import sys
+
+    from tierstore.bench._memlimit import MemoryGroup, drop_files
+    from tierstore.bench.inference import limited
+    assert [c for c in ("memory", "accelerate", "host-fp32", "nvme-fp32", "nvme-int8") if limited(c)] == \
+        ["accelerate", "nvme-fp32", "nvme-int8"]
+    data = tmp_path / "weights.bin"
+    data.write_bytes(os.urandom(24 << 20))
+    assert drop_files(str(tmp_path)) == 1
+    group, why = MemoryGroup.create("test")
+    if group is None:
+        assert why
+        pytest.skip(why)
+    limit = 64 << 20
+    try:
+        code = f"open({str(data)!r}, 'rb').read(); import sys; sys.stdin.read()"
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline(); " + code],
+                                stdin=subprocess.PIPE, text=True)
+        try:
+            group.add(proc.pid)
+            assert group.limit(limit) == ""
+            group.reset_peak()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            proc.stdin.close()
+            assert proc.wait(60) == 0
+            assert 0 < group.peak() <= limit
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        group.close()
+    assert not os.path.exists(group.path)

@@ -49,6 +49,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -61,6 +62,7 @@ from ..hooks.coordinator import _READS_CHILDREN, ParamCoordinator
 from ..params import registry
 from ..params.layout import Layout
 from ..params.partitioned import partition, unpartition
+from .weight_forms import stored_form, to_compute
 from .weight_sources import CheckpointFiles, Sources
 
 TIERS = ("host", "nvme")
@@ -82,6 +84,7 @@ class InferenceStats:
     peak_resident_bytes: int  # the most at once since the offload (or reset_peak())
     budget_bytes: int
     forwards: int  # forwards of the model run since the offload
+    convert_s: float = 0.0  # seconds the reading threads spent turning stored weights into the compute dtype
 
 
 class _NoGradients:
@@ -130,6 +133,7 @@ class OffloadedModel:
         self._fetches = 0
         self._fetched = 0
         self._forwards = 0
+        self._convert_s = 0.0
         # -- the parameters: canonical names (tied once), every name of each --------------------------
         params: dict[str, torch.nn.Parameter] = {}
         aliases: dict[str, list[str]] = {}
@@ -170,11 +174,7 @@ class OffloadedModel:
             raise TierstoreValueError("weights_dtype='int8' with tier='host': the host tier keeps tensors decoded, "
                                       "so int8 would round the weights and save no memory; pass "
                                       "weights_dtype=torch.bfloat16, or tier='nvme' (int8 at rest on disk)")
-        self.weights_dtype = weights_dtype
-        self._codec = None
-        if weights_dtype == "int8":
-            from ...quant import codec_for
-            self._codec = codec_for("int8", dtype=torch.float32)
+        self.weights_dtype = weights_dtype  # [Note: converting the weights back] in weight_forms.py
         # -- the store ------------------------------------------------------------------------------
         base = os.fspath(nvme_path) if nvme_path is not None else None
         if tier == "nvme" and base is None:
@@ -183,8 +183,8 @@ class OffloadedModel:
         if base is not None:
             os.makedirs(base, exist_ok=True)
         self._dir = tempfile.mkdtemp(prefix="tierstore-inference-", dir=base)
-        pinned = min(64 << 20, max(8 << 20, budget_bytes // 4))
-        self.store = Store([self._dir], budgets={"host": None if tier == "host" else 0, "device": 0, "pinned": pinned},
+        self.store = Store([self._dir], budgets={"host": None if tier == "host" else 0, "device": 0,
+                                                 "pinned": staging_bytes(budget_bytes)},
                            io_tuning=io_tuning, _fresh=True)
         self._closed = False
         self._names: dict[int, list[str]] = {}  # gid -> parameters in its bucket (for error messages)
@@ -242,8 +242,8 @@ class OffloadedModel:
                     at = pc.param_offset + start - pc.offset
                     sources.take(pc.name, at, at + stop - start, buf[start:stop])
                 self._names[gid] = [pc.name for pc in b.pieces]
-                stored = buf.to(torch.float32) if self._codec is not None else buf.to(self.weights_dtype or b.dtype)
-                self.store.put(_key(gid), stored, tier=self.tier, codec=self._codec)
+                stored = stored_form(buf, self.weights_dtype)
+                self.store.put(_key(gid), stored, tier=self.tier)
                 nbytes = buf.nbytes + (stored.nbytes if stored.data_ptr() != buf.data_ptr() else 0)
                 del buf, stored
                 heap.dropped(nbytes)  # [Note: freed weights go back to the system] in heap.py
@@ -269,7 +269,8 @@ class OffloadedModel:
     # -- the coordinator's store access ---------------------------------------------------------------------
     def _fetch(self, gid: int) -> torch.Tensor:
         """Bucket `gid`'s values in host memory (a tensor of its own; worker threads call this too): in the
-        compute dtype when the CPU computes, else as stored (the gather converts it on the accelerator)."""
+        compute dtype when the CPU computes or the weights are int8, else as stored (the gather converts a bf16 /
+        fp16 one on the accelerator). [Note: converting the weights back] in weight_forms.py"""
         try:
             t = self.store.get(_key(gid))
         except CorruptionError as e:
@@ -278,8 +279,13 @@ class OffloadedModel:
                                   f"their checksum ({e.strerror}): the weight files under {self._dir} are damaged; "
                                   f"offload the model again", e.filename, e.offset, e.length) from e
         b = self.layout.bucket(gid)
-        if t.dtype != b.dtype and self.device.type == "cpu":
-            t = t.to(b.dtype)  # here, on the reading thread; for an accelerator the gather converts it there
+        if self.weights_dtype == "int8" or (t.dtype != b.dtype and self.device.type == "cpu"):
+            # here, on the reading thread; for an accelerator the gather converts a bf16 / fp16 one there
+            t0 = time.perf_counter()
+            t = to_compute(t, b.dtype, b.numel, self.weights_dtype)
+            dt = time.perf_counter() - t0
+            with self._lock:
+                self._convert_s += dt
         self._count(t)
         return t  # host memory: the prefetch's device stage copies it to an accelerator
 
@@ -321,7 +327,8 @@ class OffloadedModel:
             return InferenceStats(stored_bytes=self.stored_bytes, weight_bytes=weight, fetches=self._fetches,
                                   fetched_bytes=self._fetched, prefetch_hits=pf.prefetch_hits,
                                   resident_bytes=self._resident, peak_resident_bytes=self._peak,
-                                  budget_bytes=self.budget_bytes, forwards=self._forwards)
+                                  budget_bytes=self.budget_bytes, forwards=self._forwards,
+                                  convert_s=self._convert_s)
 
     def reset_peak(self) -> None:
         """Start ``peak_resident_bytes`` again from what is resident now."""
@@ -433,6 +440,12 @@ def _module_runs(modules: list[list[str]], nbytes: dict[str, int], pack: int, ca
     if run:
         runs.append(run)
     return runs
+
+
+def staging_bytes(budget_bytes: int) -> int:
+    """The page-locked staging buffers of the store of an offload of `budget_bytes`: a quarter of the budget, at
+    least 8 MiB and at most 64 MiB."""
+    return min(64 << 20, max(8 << 20, budget_bytes // 4))
 
 
 def _key(gid: int) -> str:
