@@ -80,7 +80,7 @@ def test_engine_read_aligned(benchmark, engine, aligned_bufs, tmp_path):
 
 
 def test_engine_write_plain_tensor(benchmark, engine, tmp_path):
-    # an ordinary torch tensor, as the README's first example writes one: issue 12 wants >= 0.9x the aligned path
+    # an ordinary torch tensor, as the README's first example writes one: the goal is >= 0.9x the aligned path
     t = torch.arange(SIZE // 4, dtype=torch.float32)
     path = str(tmp_path / "plain.bin")
     benchmark(_write, engine, path, [(t, 0)])

@@ -276,7 +276,7 @@ def test_unknown_versions_are_refused_naming_them(tmp_path):
     """Version 1 (pickles) is refused too: see tests/zero/test_ckpt_security.py."""
     import json
 
-    from tierstore.zero.checkpoint import api as ckpt
+    from tierstore.zero import checkpoint as ckpt
     from tierstore.zero.checkpoint.meta import body_crc
     _, m = make_pair()
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path / "a", "host", "nvme", "host"))

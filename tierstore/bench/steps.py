@@ -100,7 +100,8 @@ class Worker:
                            f"(exit {self.proc.poll()}); last output:\n" + self.tail())
 
     def tail(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # kill() closes it; what it holds is in the file by then
+            self._log.flush()
         with open(self.log_path, errors="replace") as f:
             err = f.read()[-3000:]
         return "\n".join(self.chatter) + "\n" + err

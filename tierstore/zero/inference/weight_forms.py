@@ -25,7 +25,7 @@ from ...tiers.host import result_empty
 
 @functools.cache
 def int8_codec():
-    from ..quant import codec_for
+    from ...quant import codec_for
     return codec_for("int8", dtype=torch.float32)
 
 
@@ -33,7 +33,7 @@ def stored_form(value: torch.Tensor, weights_dtype) -> torch.Tensor:
     """A bucket's values (flat, the compute dtype) as they go into the store: `weights_dtype` (None: as they are),
     or for 'int8' the codec's encoding as uint8 bytes."""
     if weights_dtype == "int8":
-        from ..quant.codecs import encoded_nbytes
+        from ...quant.codecs import encoded_nbytes
         codec = int8_codec()
         out = torch.empty(encoded_nbytes("int8", value.numel(), codec.block_size), dtype=torch.uint8)
         codec.encode_into(value.to(torch.float32), out)
@@ -48,7 +48,7 @@ def to_compute(stored: torch.Tensor, dtype: torch.dtype, numel: int, weights_dty
         return stored
     out = result_empty(numel * dtype.itemsize).view(dtype)
     if weights_dtype == "int8":
-        from ..quant.quantized import dequantize
+        from ...quant.quantized import dequantize
         dequantize(int8_codec().parse(stored.numpy()), out=out)
     else:
         out.copy_(stored)
