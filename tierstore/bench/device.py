@@ -271,15 +271,16 @@ def main(argv: list[str] | None = None) -> int:
                                   "peak_rss": None, "device_memory": {}}
                               for n in names}
     result: dict = {"command": " ".join(sys.argv), "dry_run": a.dry_run, "machine": info, "params": nparams,
-              "width": width, "layers": layers, "context": a.context, "batch": a.batch, "tokens_per_step": tokens,
-              "budget_s": a.budget, "rounds_done": 0, "bench_s": 0.0, "cases": cases, "raw_engine": {},
-              "targets": []}
+                    "width": width, "layers": layers, "context": a.context, "batch": a.batch,
+                    "tokens_per_step": tokens, "budget_s": a.budget, "rounds_done": 0, "bench_s": 0.0,
+                    "cases": cases, "raw_engine": {}, "targets": []}
     ds = [n for n in names if CASES[n]["kind"] == "ds"]
     if ds:
         why = "dry run: DeepSpeed runs on the accelerator only" if a.dry_run else \
             deepspeed_problem(sys.executable, min(150.0, max(1.0, deadline - time.monotonic() - 120)))
-        for n in ds if why else []:
-            cases[n].update(status="skipped", reason=why)
+        if why:
+            for n in ds:
+                cases[n].update(status="skipped", reason=why)
     print(f"bench device: {info.get('accelerator_name', 'CPU standing in')}; GPT {nparams / 1e6:.1f}M params "
           f"({layers} x {width}), {tokens} tokens per step; {len(names)} cases, budget {a.budget:.0f} s", flush=True)
     import tierstore
