@@ -4,7 +4,7 @@
 # tests/test_accelerator.py, then the GPT step of every placement side by side (python -m tierstore.bench.device).
 #
 #   OUT_DIR       where setup.txt, pytest.txt, device.json, device.txt and workers.log go
-#                 (default bench/results/device-<date>)
+#                 (default $OUT where it is set, as on the device tool's machine, else bench/results/device-<date>)
 #   DEVICE_DRY=1  tiny sizes with the CPU standing in for the accelerator, about a minute
 #   DEVICE_BUDGET seconds for all of it (default 450; a dry run 240, a cap: it takes about a minute)
 #   PYTHON        the Python with torch (default python3)
@@ -16,7 +16,7 @@ t0=$SECONDS
 dry=${DEVICE_DRY:-0}
 [ "$dry" = 0 ] && budget=${DEVICE_BUDGET:-450} || budget=${DEVICE_BUDGET:-240}
 py=${PYTHON:-python3}
-out=${OUT_DIR:-bench/results/device-$(date -u +%Y-%m-%d)}
+out=${OUT_DIR:-${OUT:-bench/results/device-$(date -u +%Y-%m-%d)}}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 setup="$out/setup.txt"

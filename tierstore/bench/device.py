@@ -196,24 +196,33 @@ def _x(x, width: int) -> str:
 
 
 def table(result: dict) -> str:
-    """The short text table of a result: one line per case, then the targets."""
-    lines = [f"{result['machine'].get('accelerator_name', 'CPU (dry run)' if result['dry_run'] else 'CPU')}; "
+    """The short text table of a result: one line per case (bytes per parameter per step: /proc/self/io's, and
+    the store's for the tier the case uses, then by kind), then the targets."""
+    m = result["machine"]
+    lines = [f"{m.get('accelerator_name', 'CPU (dry run)' if result['dry_run'] else 'CPU')}, torch {m['torch']}; "
              f"GPT {result['params'] / 1e6:.0f}M params ({result['layers']} x {result['width']}), "
              f"{result['tokens_per_step']} tokens per step, {result['rounds_done']} rounds in "
              f"{result['bench_s']:.0f} s; medians",
-             f"{'case':20} {'step s':>8} {'tokens/s':>10} {'vs torch':>8} {'vs raw':>7} "
-             f"{'io B/param r|w':>15} {'store B/param r|w':>17}"]
+             f"{'case':19} {'step s':>7} {'fwd+bwd':>7} {'tokens/s':>9} {'vs torch':>8} {'vs bf16':>7} "
+             f"{'vs raw':>6} {'io B/param r|w':>15} {'store B/param r|w':>17}"]
     for name, c in result["cases"].items():
         if c["status"] != "ok":
-            lines.append(f"{name:20} {c['status']}: {c.get('reason', '')[:200]}")
+            lines.append(f"{name:19} {c['status']}: {c.get('reason', '')[:300]}")
             continue
         b = c["bytes_per_param_per_step"]
         io = f"{b['proc_io'].get('nvme_read', 0):.1f} | {b['proc_io'].get('nvme_written', 0):.1f}"
         st = b["store"]
-        sto = (f"{st.get('nvme_read', st.get('host_read', 0)):.1f} | "
-               f"{st.get('nvme_written', st.get('host_written', 0)):.1f}") if st else "-"
-        lines.append(f"{name:20} {_f(c['median']['full'], '8.3f')} {_f(c['tokens_per_s'], '10.0f')} "
-                     f"{_x(c['vs_torch'], 8)} {_x(c['vs_raw_engine'], 7)} {io:>15} {sto:>17}")
+        tier = "nvme" if st.get("nvme_read") or st.get("nvme_written") else "host"
+        sto = f"{st.get(f'{tier}_read', 0):.1f} | {st.get(f'{tier}_written', 0):.1f} {tier}" if st else "-"
+        med = c["median"]
+        lines.append(f"{name:19} {_f(med['full'], '7.3f')} {_f(med['fwd_bwd'], '7.3f')} "
+                     f"{_f(c['tokens_per_s'], '9.0f')} {_x(c['vs_torch'], 8)} {_x(c.get('vs_torch_bf16'), 7)} "
+                     f"{_x(c['vs_raw_engine'], 6)} {io:>15} {sto:>17}")
+        kinds = sorted({k.split("_", 2)[2] for k in st if k.startswith("disk_read_")})
+        by = ", ".join(f"{k} {st.get(f'disk_read_{k}', 0):.1f}|{st.get(f'disk_written_{k}', 0):.1f}" for k in kinds
+                       if st.get(f"disk_read_{k}") or st.get(f"disk_written_{k}"))
+        if by:
+            lines.append(f"{'':19} disk B/param by kind, read|written: {by}")
     for t in result["targets"]:
         ok = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         lines.append(f"target {t['target']} {t['bound']} ({t['case']}): {_f(t['value'], '.2f')}  {ok}")
