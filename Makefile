@@ -121,11 +121,19 @@ DEVICE_PYV ?= 3.12
 bench-device:
 	OUT_DIR="$(OUT_DIR)" DEVICE_DRY=$(DEVICE_DRY) PYTHON="$(DEVICE_PY)" bash bench/device.sh
 
+# DEVICE_DS=1 adds DeepSpeed (a wheel built here without its ops, which compile there on first use) and the
+# packages it needs that the device's image lacks.
+DEVICE_DS  ?= 0
+DEVICE_DL  = $(DEVICE_PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(DEVICE_PYV) \
+	--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	--platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d build/device-wheels
 device-wheels:
-	$(DEVICE_PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(DEVICE_PYV) --implementation cp \
-		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-		--platform manylinux1_x86_64 -d build/device-wheels \
-		crc32c==2.9.post0 numcodecs==0.16.6 zarr==3.1.6 donfig==0.8.1.post1 google-crc32c==1.9.0
+	$(DEVICE_DL) crc32c==2.9.post0 numcodecs==0.16.6 zarr==3.1.6 donfig==0.8.1.post1 google-crc32c==1.9.0
+	if [ "$(DEVICE_DS)" = 1 ]; then \
+		$(DEVICE_DL) hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+			typing-inspection==0.4.5 && \
+		DS_BUILD_OPS=0 $(DEVICE_PY) -m pip wheel -q --no-deps --no-build-isolation -w build/device-wheels \
+			"$(DS_SPEC)"; fi
 
 clean:
 	rm -rf $(VENV) $(DS_VENV) build *.egg-info tierstore/*.so $(DEMO_DIR) $(BENCH_DIR)

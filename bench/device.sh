@@ -38,15 +38,20 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "accelerator",
       a.current_accelerator() if a.is_available() else None)'
 } 2>&1 | tee -a "$setup"
 
-# tierstore's own dependencies, from the carried wheels where this Python lacks them
+# tierstore's own dependencies (and DeepSpeed, where its wheels were carried too: `make device-wheels DEVICE_DS=1`),
+# from the carried wheels where this Python lacks them
 deps="import crc32c, numcodecs, rich, numpy"
-if ! "$py" -c "$deps" 2>/dev/null; then
+want_ds=0
+ls build/device-wheels/deepspeed-*.whl >/dev/null 2>&1 && ! "$py" -c "import deepspeed" 2>/dev/null && want_ds=1
+if ! "$py" -c "$deps" 2>/dev/null || [ "$want_ds" = 1 ]; then
   if ls build/device-wheels/*.whl >/dev/null 2>&1; then
     site=/tmp/tierstore-site
     if "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
       build/device-wheels/*.whl >>"$setup" 2>&1; then
-      export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+      export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
       say "dependencies: installed from build/device-wheels into $site"
+    else
+      say "dependencies: pip could not install build/device-wheels (see setup.txt)"
     fi
   fi
   if ! "$py" -c "$deps" >>"$setup" 2>&1; then

@@ -144,7 +144,7 @@ def _ds_step(spec: dict, dev, make, data, xent, proc_io, timed_step):
     import deepspeed
     import torch
 
-    from ._ds_case import ds_config
+    from ._ds_case import AIO_MISSING, ds_config
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -152,7 +152,12 @@ def _ds_step(spec: dict, dev, make, data, xent, proc_io, timed_step):
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"), ("LOCAL_RANK", "0"),
                  ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
-    deepspeed.init_distributed()
+    if spec["case"] == "ds-infinity":  # its NVMe swapper needs DeepSpeed's aio op (libaio)
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            return None, None, {"error": AIO_MISSING.format(why="its compatibility check failed (libaio)")}
+    deepspeed.init_distributed(dist_backend="gloo" if dev.type == "cpu" else None)
     with torch.device("meta"):
         probe = make()
     n_mods = sum(1 for m in probe.modules() if any(True for _ in m.parameters(recurse=False)))
@@ -205,6 +210,9 @@ def main(argv: list[str]) -> int:
     info: dict = {"device": str(dev), "torch": torch.__version__}
     if c["kind"] == "ds":
         one_step, close, more = _ds_step(spec, dev, make, data, loss, _harness.proc_io, _harness.timed_step)
+        if "error" in more:  # the parent records it as the reason the case was skipped
+            _harness.say(more)
+            return 2
         info.update(more)
     else:
         model = make().to(dev)

@@ -134,13 +134,13 @@ def machine(dry_run: bool) -> dict:
     return out
 
 
-def deepspeed_problem(python: str, timeout: float) -> str | None:
+def deepspeed_problem(python: str, timeout: float, env: dict) -> str | None:
     """Why DeepSpeed cannot run with `python`, or None when it imports and its CPU Adam op loads (builds)
-    within `timeout` seconds."""
+    within `timeout` seconds; the build is cached for the case processes."""
     probe = ("import deepspeed; from deepspeed.ops.op_builder import CPUAdamBuilder as B; B().load(); "
              "print(deepspeed.__version__)")
     try:
-        r = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return f"deepspeed's CPU Adam op did not build within {timeout:.0f} s"
     if r.returncode != 0:
@@ -284,18 +284,12 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens_per_step": tokens, "budget_s": a.budget, "rounds_done": 0, "bench_s": 0.0,
                     "cases": cases, "raw_engine": {}, "targets": []}
     ds = [n for n in names if CASES[n]["kind"] == "ds"]
-    if ds:
-        why = "dry run: DeepSpeed runs on the accelerator only" if a.dry_run else \
-            deepspeed_problem(sys.executable, min(150.0, max(1.0, deadline - time.monotonic() - 120)))
-        if why:
-            for n in ds:
-                cases[n].update(status="skipped", reason=why)
     print(f"bench device: {info.get('accelerator_name', 'CPU standing in')}; GPT {nparams / 1e6:.1f}M params "
           f"({layers} x {width}), {tokens} tokens per step; {len(names)} cases, budget {a.budget:.0f} s", flush=True)
     import tierstore
 
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(tierstore.__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads),
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "DS_ACCELERATOR": info.get("accelerator") or "cpu",
            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
            "PYTHONPATH": os.pathsep.join([pkg_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
     spec = {"params": a.params, "context": a.context, "batch": a.batch, "lr": 1e-4, "warmup": a.warmup,
@@ -318,14 +312,28 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f, indent=1)
 
     try:
+        def start(n: str) -> None:
+            workers[n] = Worker(n, [sys.executable, "-m", "tierstore.bench._device_case",
+                                    json.dumps({**spec, "case": n})], env, os.path.join(root, f"{n}.log"))
+
         for n in names:
-            if cases[n]["status"] == "pending":
-                workers[n] = Worker(n, [sys.executable, "-m", "tierstore.bench._device_case",
-                                        json.dumps({**spec, "case": n})], env, os.path.join(root, f"{n}.log"))
+            if n not in ds:
+                start(n)
         started = min(time.monotonic() + a.start_timeout, deadline - 30)  # all build and warm up at once
+        if ds:  # probed while the others build: DeepSpeed's ops may compile for minutes
+            why = "dry run: DeepSpeed runs on the accelerator only" if a.dry_run else \
+                deepspeed_problem(sys.executable, max(1.0, started - time.monotonic()), env)
+            for n in ds:
+                if why:
+                    cases[n].update(status="skipped", reason=why)
+                else:
+                    start(n)
         for n, w in list(workers.items()):
             try:
                 ready = w.ask(None, max(1.0, started - time.monotonic()))
+                if "error" in ready:
+                    fail(n, "skipped", ready["error"])
+                    continue
                 cases[n].update(status="ok", ready=ready)
                 if CASES[n].get("params") == "nvme":
                     b = ready.get("last", {}).get("bytes", {})
