@@ -11,13 +11,22 @@ import sys
 import pytest
 
 from tierstore.bench._device_case import CASES
-from tierstore.bench.device import FIELDS, TARGETS
+from tierstore.bench.device import FIELDS, TARGETS, Worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_device_script_is_valid_bash():
     subprocess.run(["bash", "-n", os.path.join(ROOT, "bench", "device.sh")], check=True)
+
+
+def test_a_silent_case_process_is_ended_at_its_time_limit(tmp_path):
+    """A case that hangs cannot hold the run past its budget: the wait ends, the process is killed."""
+    w = Worker("hangs", [sys.executable, "-c", "import sys, time; print('chatter', flush=True); time.sleep(60)"],
+               dict(os.environ), str(tmp_path / "log"))
+    with pytest.raises(RuntimeError, match="within 1 s"):
+        w.ask(None, 1.0)
+    assert w.proc.poll() is not None
 
 
 @pytest.mark.slow
