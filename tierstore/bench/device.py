@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 start(n)
         started = min(time.monotonic() + a.start_timeout, deadline - 30)  # all build and warm up at once
         if ds:  # probed while the others build: DeepSpeed's ops may compile for minutes
-            why = "dry run: DeepSpeed runs on the accelerator only" if a.dry_run else \
+            why = "dry run: DeepSpeed is left to the accelerator run (its ops compile for minutes)" if a.dry_run else \
                 deepspeed_problem(sys.executable, max(1.0, started - time.monotonic()), env)
             for n in ds:
                 if why:
