@@ -12,7 +12,7 @@ BENCH_DIR  ?= bench-data
 SCALE_MAX  ?= 1.1e9
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-big check test soak bench bench-refs bench-micro install clean
+.PHONY: demo demo-big check test soak bench bench-refs bench-micro bench-device device-wheels install clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard native/*.c native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -108,6 +108,32 @@ bench-micro: $(BENCH_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider bench/test_micro.py --basetemp=$(BENCH_DIR)/micro \
 		--benchmark-storage=$(MICRO) --benchmark-autosave --benchmark-compare \
 		$(if $(BENCH_FAIL),--benchmark-compare-fail=$(BENCH_FAIL))
+
+# The accelerator run (bench/README.md, "Accelerator checks"): the machine, the native build, tests/test_accelerator.py
+# and the GPT step of every placement side by side, all inside 8 minutes; files in OUT_DIR (default
+# bench/results/device-<date>). DEVICE_DRY=1: tiny sizes with the CPU standing in, about a minute. No install step:
+# it runs with the Python there (the venv's where there is one, else python3); a machine without network gets
+# tierstore's dependencies from build/device-wheels, which `make device-wheels` fetches here.
+OUT_DIR    ?=
+DEVICE_DRY ?= 0
+DEVICE_PY  := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+DEVICE_PYV ?= 3.12
+bench-device:
+	OUT_DIR="$(OUT_DIR)" DEVICE_DRY=$(DEVICE_DRY) PYTHON="$(DEVICE_PY)" bash bench/device.sh
+
+# DEVICE_DS=1 adds DeepSpeed (a wheel built here without its ops, which compile there on first use) and the
+# packages it needs that the device's image lacks.
+DEVICE_DS  ?= 0
+DEVICE_DL  = $(DEVICE_PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(DEVICE_PYV) \
+	--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	--platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d build/device-wheels
+device-wheels:
+	$(DEVICE_DL) crc32c==2.9.post0 numcodecs==0.16.6 zarr==3.1.6 donfig==0.8.1.post1 google-crc32c==1.9.0
+	if [ "$(DEVICE_DS)" = 1 ]; then \
+		$(DEVICE_DL) hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+			typing-inspection==0.4.5 && \
+		DS_BUILD_OPS=0 $(DEVICE_PY) -m pip wheel -q --no-deps --no-build-isolation -w build/device-wheels \
+			"$(DS_SPEC)"; fi
 
 clean:
 	rm -rf $(VENV) $(DS_VENV) build *.egg-info tierstore/*.so $(DEMO_DIR) $(BENCH_DIR)
