@@ -17,7 +17,6 @@ A one-round run (--quick) labels its ratios as indicative.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import resource
 import shlex
@@ -28,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from ._common import Progress, fmt_bytes, gib_s, interleave, print_table, ratio, size_arg, write_json
+from ._ds_aio_case import DeepSpeedAio
 
 
 def add_arguments(p) -> None:
@@ -115,35 +115,6 @@ def fio_wall_cmd(jobs: list[tuple[str, str]], engine: str, bs: int, qd: int, siz
     return cmd
 
 
-def deepspeed_aio():
-    """DeepSpeed's AsyncIOBuilder op module, or (None, why)."""
-    try:
-        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        b = AsyncIOBuilder()
-        if not b.is_compatible(verbose=False):
-            return None, "DeepSpeed's async_io op is not compatible here (needs libaio-dev)"
-        return b.load(verbose=False), ""
-    except Exception as e:  # an optional reference: absent or broken means no column
-        return None, f"DeepSpeed aio unavailable: {type(e).__name__}: {e}"
-
-
-class DeepSpeed:
-    """aio_handle(block_size, queue_depth, single_submit=False, overlap_events=True, threads=1) over the
-    same bytes, from a page-locked tensor of its own making (one, shared by every handle of the sweep)."""
-
-    def __init__(self, mod, qd: int, bs: int, path: str, locked):
-        self.h = mod.aio_handle(bs, qd, False, True, 1)
-        self.t, self.path = locked, path
-
-    def write(self) -> None:
-        self.h.sync_pwrite(self.t, self.path)
-
-    def read(self) -> None:
-        self.h.sync_pread(self.t, self.path)
-
-
 def layout(path: str, size: int) -> None:
     """Write the file once, so every timed write overwrites allocated blocks (as fio's does)."""
     with open(path, "wb") as f:
@@ -191,8 +162,6 @@ def spread(samples) -> str:
 def run(args) -> int:
     import statistics
 
-    import torch
-
     from ..io import BufferPool, io_uring_status
 
     bss = [size_arg(x) for x in args.block_sizes.split(",")]
@@ -214,9 +183,6 @@ def run(args) -> int:
     if not args.no_fio and fio is None:
         notes.append("fio not on PATH: no fio column (Debian/Ubuntu: apt-get install fio; `make bench` does it "
                      "as root)")
-    ds_mod, why = (None, "skipped") if args.no_deepspeed else deepspeed_aio()
-    if ds_mod is None and not args.no_deepspeed:
-        notes.append(why)
     fio_engines = ["io_uring", "libaio"]
     fio_cmds: dict[str, str] = {}  # case -> the exact fio command line it ran
 
@@ -232,14 +198,16 @@ def run(args) -> int:
     results: dict = {"size": size, "rounds": rounds, "indicative": bool(indicative), "notes": notes,
                      "sequential": [], "small": {}, "random": {}, "mixed": {}, "paths": {}, "fio_commands": fio_cmds,
                      "load_average": os.getloadavg()}
-    ds_owner = ds_mod.aio_handle(1 << 20, 8, False, True, 1) if ds_mod is not None else None
-    ds_locked = ds_owner.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8)) if ds_owner else None
+    ds, why = (None, "skipped") if args.no_deepspeed else DeepSpeedAio.start(  # in .venv-ds: _ds_aio_case.py
+        work, seq_path, size, [(bs, qd) for bs in bss for qd in qds], small_sizes(small_count))
+    if ds is None and not args.no_deepspeed:
+        notes.append(why)
     cpu = CpuClock()
     fio_cpu: dict[str, list[float]] = {}
     fio_extra: dict[str, list[dict]] = {}
     try:
         cases: dict = {}
-        closers = [lambda: ds_owner.free_cpu_locked_tensor(ds_locked)] if ds_owner else []
+        closers = [ds.close] if ds else []
 
         def fio_case(key, cmd):
             fio_cmds[_label(key)] = shlex.join(cmd)
@@ -260,10 +228,9 @@ def run(args) -> int:
                     for op in ("write", "read"):
                         key = (op, bs, qd, f"tierstore/{be}")
                         cases[key] = cpu.wrap(str(key), getattr(o, op))
-                if ds_mod is not None:
-                    d = DeepSpeed(ds_mod, qd, bs, seq_path, ds_locked)
-                    cases[("write", bs, qd, "deepspeed")] = d.write
-                    cases[("read", bs, qd, "deepspeed")] = d.read
+                if ds is not None:
+                    for op in ("write", "read"):
+                        cases[(op, bs, qd, "deepspeed")] = ds.case("seq", op, bs, qd)
                 if fio:
                     for eng_name in fio_engines:
                         for op in ("write", "read"):
@@ -287,7 +254,7 @@ def run(args) -> int:
         pcases = paths_workload(work, min(size, 1 << 30), closers)
         pbytes = pcases.nbytes
         path_cases: dict[str, Callable[[], float | None]] = {k: cpu.wrap(k, fn) for k, fn in pcases.items()}
-        small_cases, small_info = small_workload(work, small_count, backends, ds_mod)
+        small_cases, small_info = small_workload(work, small_count, backends, ds)
         closers.extend(small_info.pop("closers"))
         total = rounds * (len(cases) + len(small_cases) + len(rand_cases) + len(mix_cases) + len(path_cases))
         with Progress(total, "bench io") as prog:
@@ -644,10 +611,7 @@ def _g(v) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-DS_WINDOW = 1024  # DeepSpeed ops outstanding at once in the small-request workload (see its note)
-
-
-def small_workload(work: str, count: int, backends: list[str], ds_mod):
+def small_workload(work: str, count: int, backends: list[str], ds):
     """Cases writing then reading `count` small requests; returns (cases, info)."""
     import torch
 
@@ -677,39 +641,8 @@ def small_workload(work: str, count: int, backends: list[str], ds_mod):
 
         cases[f"tierstore/{be} (packed, one file)"] = one
         closers.append(eng.close)
-    if ds_mod is not None:
-        h = ds_mod.aio_handle(1 << 20, 32, False, True, 1)
-        dsbuf = h.new_cpu_locked_tensor(total, torch.empty(0, dtype=torch.uint8))
-        dsbuf.copy_(src)
-        ddir = os.path.join(work, "ds-files")
-        os.makedirs(ddir, exist_ok=True)
-        paths = [os.path.join(ddir, f"t{i}.swp") for i in range(count)]
-
-        # [Note: DeepSpeed's window] Its handle keeps a file open per outstanding op and does not check
-        # the open (EMFILE past `ulimit -n` is printed, the op silently skipped), so it waits every
-        # DS_WINDOW ops, as its swappers do per batch of tensors.
-        def ds_run(op, targets):
-            for i, (p, o, s) in enumerate(zip(targets, offsets, sizes)):
-                op(dsbuf[o:o + s], p, o if p == packed else 0)
-                if i % DS_WINDOW == DS_WINDOW - 1:
-                    h.wait()
-            h.wait()
-
-        def ds_one():
-            ds_run(h.async_pwrite, paths)
-            ds_run(h.async_pread, paths)
-
-        # The same engine on our layout (packed at aligned offsets of one file), to tell the layout's share
-        # of the difference from the engine's. (Its pread takes a path, which it opens per request.)
-        packed = os.path.join(work, "packed-ds.bin")
-
-        def ds_packed():
-            ds_run(h.async_pwrite, [packed] * count)
-            ds_run(h.async_pread, [packed] * count)
-
-        cases["deepspeed (packed, one file)"] = ds_packed
-        cases["deepspeed (file per tensor)"] = ds_one
-        closers.append(lambda: h.free_cpu_locked_tensor(dsbuf))
+    if ds is not None:
+        cases.update(ds.small_cases())
     closers.append(buf.release)
     closers.append(pool.close)
     return cases, {"count": count, "bytes": total, "closers": closers}
