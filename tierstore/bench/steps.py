@@ -419,8 +419,8 @@ def print_results(name, result, args, nparams, layers, width, tokens, load: Load
     print_table(f"bench {name}: {nparams / 1e6:.1f}M fp32 parameters ({layers} x {width})"
                 + (f", {tokens} tokens per step" if tokens else "")
                 + f", medians of {args.rounds} rounds, the order changed each round", cols, rows,
-                caption=f"{load.describe()}; bytes: the median per step (store.stats; DeepSpeed: /proc/self/io), "
-                        f"peak RSS: VmHWM of the case's own process")
+                caption="bytes: the median per step (store.stats; DeepSpeed: /proc/self/io), peak RSS: VmHWM of the "
+                        "case's own process; every round's figures: the JSON's samples")
     rrows = []
     for k, v in result["ratios"].items():
         t = TARGETS.get(k)
