@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
             return _harness.timed_step(lambda: loss_fn(model, x, y), lambda loss: loss.backward(),
                                        lambda: (opt.step(), opt.zero_grad(set_to_none=True)))
 
-        return _harness.serve(one_step, spec["warmup"])
+        return _harness.serve(_harness.with_kernel_bytes(one_step), spec["warmup"])
     if case not in TIERSTORE_CASES:
         raise SystemExit(f"bench worker: unknown case {case!r}; use one of {[*TORCH_CASES, *TIERSTORE_CASES]}")
     from .. import zero
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
         return out
 
     try:
-        return _harness.serve(zero_step, spec["warmup"])
+        return _harness.serve(_harness.with_kernel_bytes(zero_step), spec["warmup"])
     finally:
         zopt.close()
 

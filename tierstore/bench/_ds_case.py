@@ -146,7 +146,7 @@ def main(argv: list[str]) -> int:
     info = {"optimizer": type(_opt).__name__, "inner": type(getattr(_opt, "optimizer", _opt)).__name__,
             "dtype": str(next(iter(model.parameters())).dtype), "config": cfg, "deepspeed": deepspeed.__version__,
             "torch": torch.__version__}
-    return _harness.serve(one_step, spec["warmup"], ready_info=info)
+    return _harness.serve(_harness.with_kernel_bytes(one_step), spec["warmup"], ready_info=info)
 
 
 if __name__ == "__main__":

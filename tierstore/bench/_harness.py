@@ -128,6 +128,27 @@ def proc_io() -> dict[str, int]:  # bytes
     return {"nvme_read": int(got["read_bytes"]), "nvme_written": int(got["write_bytes"])}
 
 
+def kernel_io() -> dict[str, int]:  # bytes
+    """proc_io() as {kernel_read, kernel_written}: the kernel's count, set beside a store's own; {} where the
+    kernel keeps none (no /proc/self/io)."""
+    try:
+        got = proc_io()
+    except (OSError, KeyError, ValueError):
+        return {}
+    return {"kernel_read": got["nvme_read"], "kernel_written": got["nvme_written"]}
+
+
+def with_kernel_bytes(one_step):
+    """one_step, its figures with the kernel's bytes of the step added to (or put in) figures["bytes"]."""
+    def step() -> dict:
+        before = kernel_io()
+        out = one_step()
+        after = kernel_io()
+        out.setdefault("bytes", {}).update({k: after[k] - before[k] for k in after if k in before})
+        return out
+    return step
+
+
 def say(payload: dict) -> None:
     sys.stdout.write(MARK + json.dumps(payload) + "\n")
     sys.stdout.flush()

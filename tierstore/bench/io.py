@@ -23,12 +23,11 @@ import tempfile
 from collections.abc import Callable
 
 from ._common import Progress, fmt_bytes, gib_s, interleave, print_table, ratio, size_arg, write_json
+from ._ds_aio_case import DeepSpeedAio
 from .io_cases import (
     PATH_PAIRS,
     CpuClock,
-    DeepSpeed,
     Ours,
-    deepspeed_aio,
     fio_cmd,
     fio_cpu_seconds,
     fio_job,
@@ -39,6 +38,7 @@ from .io_cases import (
     paths_workload,
     rand_info,
     random_workload,
+    small_sizes,
     small_workload,
 )
 
@@ -69,8 +69,6 @@ def spread(samples) -> str:
 def run(args) -> int:
     import statistics
 
-    import torch
-
     from ..io import BufferPool, io_uring_status
 
     bss = [size_arg(x) for x in args.block_sizes.split(",")]
@@ -92,9 +90,6 @@ def run(args) -> int:
     if not args.no_fio and fio is None:
         notes.append("fio not on PATH: no fio column (Debian/Ubuntu: apt-get install fio; `make bench` does it "
                      "as root)")
-    ds_mod, why = (None, "skipped") if args.no_deepspeed else deepspeed_aio()
-    if ds_mod is None and not args.no_deepspeed:
-        notes.append(why)
     fio_engines = ["io_uring", "libaio"]
     fio_cmds: dict[str, str] = {}  # case -> the exact fio command line it ran
 
@@ -110,14 +105,16 @@ def run(args) -> int:
     results: dict = {"size": size, "rounds": rounds, "indicative": bool(indicative), "notes": notes,
                      "sequential": [], "small": {}, "random": {}, "mixed": {}, "paths": {}, "fio_commands": fio_cmds,
                      "load_average": os.getloadavg()}
-    ds_owner = ds_mod.aio_handle(1 << 20, 8, False, True, 1) if ds_mod is not None else None
-    ds_locked = ds_owner.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8)) if ds_owner else None
+    ds, why = (None, "skipped") if args.no_deepspeed else DeepSpeedAio.start(  # in .venv-ds: _ds_aio_case.py
+        work, seq_path, size, [(bs, qd) for bs in bss for qd in qds], small_sizes(small_count))
+    if ds is None and not args.no_deepspeed:
+        notes.append(why)
     cpu = CpuClock()
     fio_cpu: dict[str, list[float]] = {}
     fio_extra: dict[str, list[dict]] = {}
     try:
         cases: dict = {}
-        closers = [lambda: ds_owner.free_cpu_locked_tensor(ds_locked)] if ds_owner else []
+        closers = [ds.close] if ds else []
 
         def fio_case(key, cmd):
             fio_cmds[_label(key)] = shlex.join(cmd)
@@ -138,10 +135,9 @@ def run(args) -> int:
                     for op in ("write", "read"):
                         key = (op, bs, qd, f"tierstore/{be}")
                         cases[key] = cpu.wrap(str(key), getattr(o, op))
-                if ds_mod is not None:
-                    d = DeepSpeed(ds_mod, qd, bs, seq_path, ds_locked)
-                    cases[("write", bs, qd, "deepspeed")] = d.write
-                    cases[("read", bs, qd, "deepspeed")] = d.read
+                if ds is not None:
+                    for op in ("write", "read"):
+                        cases[(op, bs, qd, "deepspeed")] = ds.case("seq", op, bs, qd)
                 if fio:
                     for eng_name in fio_engines:
                         for op in ("write", "read"):
@@ -165,7 +161,7 @@ def run(args) -> int:
         pcases = paths_workload(work, min(size, 1 << 30), closers)
         pbytes = pcases.nbytes
         path_cases: dict[str, Callable[[], float | None]] = {k: cpu.wrap(k, fn) for k, fn in pcases.items()}
-        small_cases, small_info = small_workload(work, small_count, backends, ds_mod)
+        small_cases, small_info = small_workload(work, small_count, backends, ds)
         closers.extend(small_info.pop("closers"))
         total = rounds * (len(cases) + len(small_cases) + len(rand_cases) + len(mix_cases) + len(path_cases))
         with Progress(total, "bench io") as prog:

@@ -5,7 +5,6 @@ paths a user meets, and 20,000 small requests. io.py runs them A B A B and repor
 from __future__ import annotations
 
 import json
-import logging
 import os
 import resource
 import subprocess
@@ -95,35 +94,6 @@ def fio_wall_cmd(jobs: list[tuple[str, str]], engine: str, bs: int, qd: int, siz
     for i, (path, op) in enumerate(jobs):
         cmd += [f"--name=job{i}", f"--filename={path}", f"--rw={op}"]
     return cmd
-
-
-def deepspeed_aio():
-    """DeepSpeed's AsyncIOBuilder op module, or (None, why)."""
-    try:
-        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        b = AsyncIOBuilder()
-        if not b.is_compatible(verbose=False):
-            return None, "DeepSpeed's async_io op is not compatible here (needs libaio-dev)"
-        return b.load(verbose=False), ""
-    except Exception as e:  # an optional reference: absent or broken means no column
-        return None, f"DeepSpeed aio unavailable: {type(e).__name__}: {e}"
-
-
-class DeepSpeed:
-    """aio_handle(block_size, queue_depth, single_submit=False, overlap_events=True, threads=1) over the
-    same bytes, from a page-locked tensor of its own making (one, shared by every handle of the sweep)."""
-
-    def __init__(self, mod, qd: int, bs: int, path: str, locked):
-        self.h = mod.aio_handle(bs, qd, False, True, 1)
-        self.t, self.path = locked, path
-
-    def write(self) -> None:
-        self.h.sync_pwrite(self.t, self.path)
-
-    def read(self) -> None:
-        self.h.sync_pread(self.t, self.path)
 
 
 def layout(path: str, size: int) -> None:
@@ -327,10 +297,7 @@ def paths_workload(work: str, nbytes: int, closers: list) -> _PathCases:
     return cases
 
 
-DS_WINDOW = 1024  # DeepSpeed ops outstanding at once in the small-request workload (see its note)
-
-
-def small_workload(work: str, count: int, backends: list[str], ds_mod):
+def small_workload(work: str, count: int, backends: list[str], ds):
     """Cases writing then reading `count` small requests; returns (cases, info)."""
     import torch
 
@@ -360,39 +327,8 @@ def small_workload(work: str, count: int, backends: list[str], ds_mod):
 
         cases[f"tierstore/{be} (packed, one file)"] = one
         closers.append(eng.close)
-    if ds_mod is not None:
-        h = ds_mod.aio_handle(1 << 20, 32, False, True, 1)
-        dsbuf = h.new_cpu_locked_tensor(total, torch.empty(0, dtype=torch.uint8))
-        dsbuf.copy_(src)
-        ddir = os.path.join(work, "ds-files")
-        os.makedirs(ddir, exist_ok=True)
-        paths = [os.path.join(ddir, f"t{i}.swp") for i in range(count)]
-
-        # [Note: DeepSpeed's window] Its handle keeps a file open per outstanding op and does not check
-        # the open (EMFILE past `ulimit -n` is printed, the op silently skipped), so it waits every
-        # DS_WINDOW ops, as its swappers do per batch of tensors.
-        def ds_run(op, targets):
-            for i, (p, o, s) in enumerate(zip(targets, offsets, sizes)):
-                op(dsbuf[o:o + s], p, o if p == packed else 0)
-                if i % DS_WINDOW == DS_WINDOW - 1:
-                    h.wait()
-            h.wait()
-
-        def ds_one():
-            ds_run(h.async_pwrite, paths)
-            ds_run(h.async_pread, paths)
-
-        # The same engine on our layout (packed at aligned offsets of one file), to tell the layout's share
-        # of the difference from the engine's. (Its pread takes a path, which it opens per request.)
-        packed = os.path.join(work, "packed-ds.bin")
-
-        def ds_packed():
-            ds_run(h.async_pwrite, [packed] * count)
-            ds_run(h.async_pread, [packed] * count)
-
-        cases["deepspeed (packed, one file)"] = ds_packed
-        cases["deepspeed (file per tensor)"] = ds_one
-        closers.append(lambda: h.free_cpu_locked_tensor(dsbuf))
+    if ds is not None:
+        cases.update(ds.small_cases())
     closers.append(buf.release)
     closers.append(pool.close)
     return cases, {"count": count, "bytes": total, "closers": closers}

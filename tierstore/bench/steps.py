@@ -1,9 +1,13 @@
 """What `tierstore bench optim` (a stack of Linear layers) and `tierstore bench train` (a GPT, tokens/s) share:
 whole training steps of one model, torch in memory vs each tierstore tier vs DeepSpeed ZeRO-3, each case in its
-own process, alternated A B A B; the raw engine moving the nvme step's bytes in the same rounds.
+own process, one step of each per round, in another order each round; the raw engine moving the nvme step's
+bytes in the same rounds.
 
 Per case, medians over the rounds: forward + backward, optimizer step, full step (the sum), bytes read from and
-written to each tier per step, and the case process's peak RSS (VmHWM: it includes building the model). The
+written to each tier per step, and the case process's peak RSS (VmHWM: it includes building the model). Per
+ratio: its median, the least and the most of its per-round values, and a verdict on its target that the load
+cannot flip ([Note: a verdict the load cannot flip] in verdict.py). Bytes per parameter per step, the kernel's
+count beside the store's own by kind: bytes_table.py. The
 raw engine reads, writes, and reads + writes at once exactly the bytes the nvme case read and wrote in its
 last warm-up step (O_DIRECT, page cache dropped, fsync after writing): the disk's time for the step's I/O
 (see [Note: ratios, not lone numbers] in _common.py and [Note: one worker process per case] in _harness.py).
@@ -24,6 +28,8 @@ from collections import deque
 
 from ._common import Progress, drop_page_cache, engine_pass, fmt_bytes, print_table, size_arg, write_json
 from ._harness import MARK, shape_of
+from .bytes_table import per_param, print_bytes_table
+from .verdict import Load, round_order, spread_text, verdict
 
 TORCH = ("torch-fused", "torch-foreach")
 TIERSTORE = ("host", "nvme", "nvme8", "nvme-overlap", "nvme8-overlap")
@@ -205,6 +211,8 @@ def run(args, model: str, name: str) -> int:
     if bad or not cases:
         raise SystemExit(f"bench {name}: unknown case(s) {bad}; choose from {','.join(ALL + OPTIONAL)}")
     load0 = os.getloadavg()
+    load = Load(samples=[load0[0]])
+    orders: list[list[str]] = []  # each round's order of the cases
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
     root = tempfile.mkdtemp(prefix=f"bench-{name}-", dir=args.dir or ".")
@@ -270,13 +278,17 @@ def run(args, model: str, name: str) -> int:
                     raw_cases[c] = functools.partial(raw.both, b.get("nvme_read", 0), b.get("nvme_written", 0))
         samples: dict[str, list[dict]] = {c: [] for c in [*workers, *raw_cases]}
         with Progress(args.rounds * len(samples), f"bench {name}") as prog:
-            for _ in range(args.rounds):
-                for c in samples:
+            for k in range(args.rounds):  # [Note: a verdict the load cannot flip] in verdict.py
+                order = round_order(list(samples), k)
+                orders.append(order)
+                for c in order:
+                    load.sample()
                     if c in workers:
                         samples[c].append(workers[c].ask("step", args.timeout))
                     else:
                         samples[c].append({"full": raw_cases[c]()})  # type: ignore[operator]
                     prog.advance()
+        load.sample()
         final = {c: w.finish(args.timeout) for c, w in workers.items()}
     except BaseException:
         for w in workers.values():
@@ -289,14 +301,19 @@ def run(args, model: str, name: str) -> int:
             raw.close()
         shutil.rmtree(root, ignore_errors=True)
     load1 = os.getloadavg()
+    load.samples.append(load1[0])
     tokens = args.batch * args.context if model == "gpt" else 0
     result = summarize(samples, final, ready, tokens)
-    print_results(name, result, args, nparams, layers, width, tokens, load0, load1, skipped, notes)
+    result["verdicts"] = verdicts(result, load)
+    print_results(name, result, args, nparams, layers, width, tokens, load, skipped, notes)
     write_json(getattr(args, "json", None), {
         "command": " ".join(sys.argv), "benchmark": name, "model": model, "parameters": nparams, "layers": layers,
         "width": width, "tokens_per_step": tokens, "rounds": args.rounds, "load_average": [load0, load1],
-        "median": result["median"], "ratios": result["ratios"], "peak_rss": result["peak_rss"],
-        "bytes_per_step": result["bytes"], "samples": samples, "ready": ready, "skipped": skipped, "notes": notes})
+        "load": load.as_dict(), "round_orders": orders, "median": result["median"], "ratios": result["ratios"],
+        "ratio_rounds": result["ratio_rounds"], "verdicts": result["verdicts"], "targets": TARGETS,
+        "peak_rss": result["peak_rss"], "bytes_per_step": result["bytes"],
+        "bytes_per_param_per_step": per_param(result["bytes"], nparams), "samples": samples, "ready": ready,
+        "skipped": skipped, "notes": notes})
     plot(name, args, result, nparams)
     return 0
 
@@ -312,10 +329,18 @@ def summarize(samples: dict[str, list[dict]], final: dict[str, dict], ready: dic
             by[c] = {k: int(_median([s["bytes"][k] for s in ss])) for k in keys}
     rss = {c: f["peak_rss"] for c, f in final.items()}
     ratios: dict[str, float] = {}
+    per_round: dict[str, list[float]] = {}  # each round's ratio, from that round's A and B
+
+    def rounds_of(c: str, what: str = "full") -> list[float]:
+        return [s.get(what, float("nan")) for s in samples.get(c, [])]
+
+    def each(f, *series: list[float]) -> list[float]:
+        return [f(*vs) if all(v > 0 for v in vs) else float("nan") for vs in zip(*series)]
 
     def put(key: str, a: str, b: str, what: str = "full") -> None:
         if a in med and b in med and med[b][what] > 0:
             ratios[key] = med[a][what] / med[b][what]
+            per_round[key] = each(lambda x, y: x / y, rounds_of(a, what), rounds_of(b, what))
 
     for c in TIERSTORE + DEEPSPEED + ("torch-foreach",):
         put(f"{c}/torch-fused full", c, "torch-fused")
@@ -327,20 +352,33 @@ def summarize(samples: dict[str, list[dict]], final: dict[str, dict], ready: dic
     put("nvme speedup over nvme-noreuse (reuse_bytes), full", "nvme-noreuse", "nvme")
     for c, raw in (("nvme", "raw-both"), ("nvme-overlap", "raw-both-overlap")):  # the raw engine moves c's bytes
         if c in med and "torch-fused" in med and raw in med:
-            ratios[f"{c} full / max(torch-fused full, raw read+write at once)"] = \
-                med[c]["full"] / max(med["torch-fused"]["full"], med[raw]["full"])
+            key = f"{c} full / max(torch-fused full, raw read+write at once)"
+            ratios[key] = med[c]["full"] / max(med["torch-fused"]["full"], med[raw]["full"])
+            per_round[key] = each(lambda x, t, r: x / max(t, r), rounds_of(c), rounds_of("torch-fused"),
+                                  rounds_of(raw))
     for ours, theirs in (("host", "ds-offload"), ("nvme", "ds-infinity"), ("nvme8", "ds-infinity"),
                          ("nvme-overlap", "ds-infinity")):
         for what in ("fwd_bwd", "step", "full"):
             put(f"{ours}/{theirs} {what}", ours, theirs, what)
         if ours in rss and theirs in rss:
             ratios[f"{ours}/{theirs} peak RSS"] = rss[ours] / rss[theirs]
+            per_round[f"{ours}/{theirs} peak RSS"] = [rss[ours] / rss[theirs]]  # one value: not timed
     tps = {c: tokens / m["full"] for c, m in med.items() if tokens and c in ready} if tokens else {}
     if tps and "torch-fused" in tps:
         for c in tps:
             if c != "torch-fused":
                 ratios[f"{c}/torch-fused tokens/s"] = tps[c] / tps["torch-fused"]
-    return {"median": med, "ratios": ratios, "peak_rss": rss, "bytes": by, "tokens_per_s": tps}
+                per_round[f"{c}/torch-fused tokens/s"] = each(lambda t, x: t / x, rounds_of("torch-fused"),
+                                                              rounds_of(c))
+    return {"median": med, "ratios": ratios, "ratio_rounds": per_round, "peak_rss": rss, "bytes": by,
+            "tokens_per_s": tps}
+
+
+def verdicts(result: dict, load: Load) -> dict[str, str]:
+    """The verdict on each ratio that has a target (verdict.verdict): peak RSS from its one value, the timed
+    ratios from their rounds and the load."""
+    return {k: verdict(result["ratio_rounds"].get(k, [v]), TARGETS[k], load, timed=not k.endswith("peak RSS"))
+            for k, v in result["ratios"].items() if k in TARGETS}
 
 
 TARGETS = {  # the targets printed next to the ratios: (comparison, bound)
@@ -355,7 +393,7 @@ TARGETS = {  # the targets printed next to the ratios: (comparison, bound)
 }
 
 
-def print_results(name, result, args, nparams, layers, width, tokens, load0, load1, skipped, notes) -> None:
+def print_results(name, result, args, nparams, layers, width, tokens, load: Load, skipped, notes) -> None:
     med, rss, by, tps = result["median"], result["peak_rss"], result["bytes"], result["tokens_per_s"]
     cols = ["case", "fwd+bwd ms", "step ms", "full ms", "full vs torch", *(["tokens/s"] if tokens else []),
             "host read/written", "nvme read/written", "peak RSS"]
@@ -381,22 +419,17 @@ def print_results(name, result, args, nparams, layers, width, tokens, load0, loa
                          f"{moved / med[c]['full'] / 2**30:.2f} GiB/s", *([""] if tokens else []), "", "", ""])
     print_table(f"bench {name}: {nparams / 1e6:.1f}M fp32 parameters ({layers} x {width})"
                 + (f", {tokens} tokens per step" if tokens else "")
-                + f", medians of {args.rounds} rounds alternated A B A B", cols, rows,
-                caption=f"load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end; bytes: the median "
-                        f"per step (store.stats; DeepSpeed: /proc/self/io), peak RSS: VmHWM of the case's own process")
+                + f", medians of {args.rounds} rounds, the order changed each round", cols, rows,
+                caption="bytes: the median per step (store.stats; DeepSpeed: /proc/self/io), peak RSS: VmHWM of the "
+                        "case's own process; every round's figures: the JSON's samples")
     rrows = []
     for k, v in result["ratios"].items():
         t = TARGETS.get(k)
-        ok = "" if t is None else ("met" if (v <= t[1] if t[0] == "<=" else v >= t[1]) else "MISSED")
-        rrows.append([k, f"{v:.2f}x", f"{t[0]} {t[1]}x" if t else "", ok])
-    print_table(f"bench {name}: ratios (same run)", ["ratio", "value", "target", ""], rrows)
-    kinds = sorted({k.split("_", 2)[2] for b in by.values() for k in b if k.startswith("disk_read_")})
-    if kinds:  # the optimizer's own count of the disk's bytes by kind (OptimizerStats.disk_read / disk_written)
-        krows = [[LABELS[c], *(f"{b.get(f'disk_read_{k}', 0) / nparams:.2f} | "
-                               f"{b.get(f'disk_written_{k}', 0) / nparams:.2f}" for k in kinds)]
-                 for c, b in by.items() if any(f"disk_read_{k}" in b for k in kinds)]
-        print_table(f"bench {name}: disk bytes per parameter per step, read | written, by kind", ["case", *kinds],
-                    krows)
+        rrows.append([k, f"{v:.2f}x", spread_text(result["ratio_rounds"].get(k, [])), f"{t[0]} {t[1]}x" if t else "",
+                      result["verdicts"].get(k, "")])
+    print_table(f"bench {name}: ratios (same run)", ["ratio", "median", "rounds min–max", "target", "verdict"],
+                rrows, caption=f"{load.describe()} ([Note: a verdict the load cannot flip] in bench/verdict.py)")
+    print_bytes_table(f"bench {name}", by, nparams, LABELS)
     for c, why in skipped.items():
         print(f"skipped {c}: {why}")
     for n in notes:
