@@ -123,6 +123,7 @@ def test_dtypes_and_layouts_round_trip(act_factory, dtype):
             packed[name] = act._pack(v)
     act.wait_writes()
     for name, v in views.items():
+        # private: the unpack hook itself, called as autograd calls it
         back = act._unpack(packed[name])
         assert back.dtype == v.dtype and back.shape == v.shape, name
         assert torch.equal(back, v), name
@@ -387,6 +388,7 @@ def test_bookkeeping_per_offloaded_tensor_is_small(act_factory):
     assert len(kept_keys) == 1 and kept_keys[0].ref() is x
     del live, kept_keys
     loss.backward()
+    # private: the read-ahead order has no public view
     assert [r for r in act._order if r() is not None] == []
 
 
@@ -416,6 +418,7 @@ def test_small_batches_layouts_versions_and_retain_graph(act_factory):
         packed = [act._pack(v) for v in values]
     act.wait_writes()
     for v, p in zip(values, packed):
+        # private: the unpack hook itself, called as autograd calls it
         got = act._unpack(p)
         assert got.dtype == v.dtype and got.shape == v.shape and got.stride() == v.stride() and torch.equal(got, v)
     again = act._unpack(packed[1])  # read a second time (a second backward): the same value

@@ -36,6 +36,7 @@ def fds(eng, monkeypatch):
         seen.extend((p.fd, p.bounce is not None) for p in pieces)
         return real(pieces)
 
+    # private: a spy on the backend counts the batches; nothing public counts them
     monkeypatch.setattr(eng._backend, "submit_many", spy)
     return seen
 

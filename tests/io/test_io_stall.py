@@ -63,6 +63,7 @@ def test_slow_progress_is_not_a_stall(tmp_path):
         time.sleep(0.05)
         real(p)
 
+    # private: a slow backend stands in for a stalled disk (fault injection)
     eng._backend._run = slow
     futs = [eng.write(tmp_path / "s.bin", torch.zeros(1024), i * 4096) for i in range(20)]  # ~1 s in all
     eng.wait_all()
@@ -93,6 +94,7 @@ def test_a_pause_without_io_is_not_a_stall(tmp_path):
         time.sleep(0.28)  # under the bound, over a wait's 0.25 s slice
         return real(pieces)
 
+    # private: a slow backend stands in for a stalled disk (fault injection)
     eng._backend.submit_many = slow
     eng.write(tmp_path / "a.bin", buf).result()
     eng.close()

@@ -42,6 +42,7 @@ def spy_writes(s: Store, monkeypatch) -> list[tuple[int, int]]:
             seen.append((buf.addr, buf.nbytes))
         return real(f, buf, offset)
 
+    # private: the store's engine, patched to inject a fault
     monkeypatch.setattr(s._engine, "write", write)
     return seen
 
@@ -183,6 +184,7 @@ def spy_write_futures(s: Store, monkeypatch) -> list:
         fut = real(f, buf, offset)
         ios.append(fut)
         return fut
+    # private: the store's engine, patched to inject a fault
     monkeypatch.setattr(s._engine, "write", write)
     return ios
 

@@ -90,6 +90,7 @@ def test_a_plain_oserror_inside_a_read_names_the_extent(tmp_path, monkeypatch):
 
         def failing(*a, **k):
             raise OSError(errno.EIO, "Input/output error")
+        # private: the store's engine, patched to inject a fault
         monkeypatch.setattr(s._engine, "read", failing)
         with pytest.raises(TierstoreIOError) as ei:
             s.get("t")

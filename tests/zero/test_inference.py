@@ -153,6 +153,7 @@ def test_damaged_weight_file_raises_corruption_naming_the_parameters(tmp_path):
         with torch.no_grad():
             m(IDS)
         files = [os.path.join(r, f) for r, _d, fs in os.walk(tmp_path / "w") for f in fs if f.startswith("extent")]
+        # private: the offload's scratch directory is not part of its API
         assert files, os.listdir(off._dir)
         for path in files:  # flip one byte in every written block of every extent file
             size = os.path.getsize(path)

@@ -233,6 +233,7 @@ def test_config_checks_and_deepspeed_mapping():
 ])
 def test_node_size_from_the_topology(monkeypatch, facts, expect):
     from tierstore.zero.hooks import hpz
+    # private: the node-size rule, tested without a process group
     monkeypatch.setattr(hpz._dist, "all_gather_object", lambda obj, group=None: facts)
     if isinstance(expect, int):
         assert hpz._node_size(None, len(facts)) == expect

@@ -262,6 +262,7 @@ def test_post_init_holds_one_module_at_a_time(tmp_path, monkeypatch):
 
     from tierstore.zero.params import init as zinit
     held: list[int] = []
+    # private: a spy on materialization; nothing public counts it
     real = zinit._materialize
 
     def spy(p, func):

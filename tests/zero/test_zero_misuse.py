@@ -175,6 +175,7 @@ def test_a_failed_construction_leaves_the_model_and_the_directory_free(tmp_path,
         _opt(tmp_path, model=m)
     monkeypatch.setattr(hpz.Hpz, "attach", real)
     assert "zero_grad" not in m.__dict__
+    # torch keeps a module's hooks in these private dicts; it has no public view of them
     assert all(not (mod._forward_pre_hooks or mod._forward_hooks) for mod in m.modules())
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters(), strict=True))
     want = _losses(Zero3Optimizer(ref, torch.optim.AdamW, config=cfg(tmp_path / "ref"), lr=1e-2), ref)

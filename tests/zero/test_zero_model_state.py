@@ -234,6 +234,7 @@ def test_state_dict_holds_one_gathered_bucket_at_a_time(tmp_path, monkeypatch):
     opt = Zero3Optimizer(z_m, torch.optim.AdamW, lr=1e-2, config=cfg(tmp_path, "host", "host", "host"))
     alive_at_call = []
     refs: list = []
+    # private: a failing collective injected into the module's own process-group helper
     real = module_state._dist.all_gather
 
     def spy(shard, out, group=None, **kw):

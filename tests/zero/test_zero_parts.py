@@ -92,6 +92,7 @@ def test_prefetcher_reads_further_ahead_within_its_bytes():
     shard = 2 * 4  # bytes of one shard of _Layout
     pf = Prefetcher(_Layout(), fetch, lambda gid: False, device=torch.device("cpu"), depth=1, read_bytes=3 * shard)
     try:
+        # private: the read pool's worker count has no public view
         assert pf.span == 1 + READ_AHEAD_MAX and pf._executor._max_workers == READ_WORKERS
         pf.ahead([[0], [], [1, 2], [3], [4]])  # depth: module 0; then 1 and 2 (with 0: 3 shards); 3 would not fit
         assert sorted(pf._prefetched) == [0, 1, 2]

@@ -699,6 +699,7 @@ def test_8bit_states_are_one_extent_each_scales_and_codes_together(tmp_path):
             q8 = opt._stepper.states8  # private: which states are stored in 8 bits has no public surface
             for k in opt._stepper.state_keys[gid]:
                 t = opt.store.tensor(keys.state(gid, k))
+                # private: a handle's placement record, to damage its extent
                 copy_ = t._p.copies["nvme"]
                 assert isinstance(copy_, Extent) and copy_.length == t.encoded_nbytes  # one extent, all of it
                 expect += t.encoded_nbytes
@@ -800,6 +801,7 @@ def test_synchronize_waits_for_the_reads_the_step_started_and_its_writes(tmp_pat
         assert pf.reads_in_flight  # the next forward's first shards, read ahead by the step
         assert not all(f.done() for f in pf._prefetched.values())
         opt.synchronize()
+        # private: the prefetch's own futures; reads_in_flight is the public count
         assert all(f.done() for f in pf._prefetched.values()) and pf.reads_in_flight
         writer = opt.store._nvme._writer  # private: the tier's writes in flight have no public surface
         assert all(f.done() for f in list(writer._inflight))  # every write submitted has finished
