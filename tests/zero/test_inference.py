@@ -199,6 +199,37 @@ def test_weights_resident_stay_within_the_budget_on_a_model_four_times_larger(tm
     assert r["grown"] <= budget + (1 << 20), r["grown"]  # the budget, plus activations and allocator slack
 
 
+def _idle_after_forwards(root: str) -> dict:
+    """In a fresh process: the result memory kept idle, with Deep() (12 x 1 MiB layers) offloaded to nvme with a
+    3 MiB budget, after two forwards and after 8 MiB of results come and go at once; then the same after the
+    offload is closed."""
+    from tierstore.tiers.host import RESULTS, result_empty
+
+    def burst() -> int:
+        held = [result_empty(1 << 20) for _ in range(8)]  # given back together, as a forward's reads can be
+        del held
+        return RESULTS.idle_bytes
+    torch.manual_seed(0)
+    m = Deep(layers=12, width=512)
+    x = torch.randn(4, 512)
+    off = offload_for_inference(m, nvme_path=pathlib.Path(root) / "w", budget_bytes=3 << 20)
+    with torch.no_grad():
+        m(x)
+        m(x)
+    idle_open = burst()
+    off.close()
+    return {"open": idle_open, "closed": burst(), "weights": off.stats().weight_bytes}
+
+
+def test_recycled_result_memory_stays_within_the_budget_while_offloaded(tmp_path):
+    """[Note: the inference budget]: the memory the weights are read into is recycled, and while the offload is
+    open what is kept idle for that is bounded by the budget, not by the process-wide limit (256 MiB)."""
+    r = run_isolated(_idle_after_forwards, str(tmp_path), timeout=120)
+    assert r["weights"] >= 4 * (3 << 20)
+    assert 0 < r["open"] <= 3 << 20, r
+    assert r["closed"] >= 8 << 20, r  # the limit is lifted with the offload
+
+
 def test_backward_reaches_the_inputs_not_the_parameters(tmp_path):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))

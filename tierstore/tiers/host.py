@@ -17,6 +17,7 @@ import mmap
 import threading
 import weakref
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 import numpy
 import torch
@@ -135,6 +136,7 @@ class ResultPool:
 
     def __init__(self, idle_limit: int):
         self.idle_limit = idle_limit  # bytes
+        self._caps: list[int] = []  # tighter limits in force (limit_idle), the smallest holds
         self._lock = threading.Lock()
         self._back: deque[mmap.mmap] = deque()  # given back, not yet sorted (appended by finalizers)
         self._idle: OrderedDict[int, mmap.mmap] = OrderedDict()  # id -> mapping, oldest first
@@ -162,6 +164,20 @@ class ResultPool:
         weakref.finalize(arr, _give_back, weakref.ref(self), mm).atexit = False
         return torch.from_numpy(arr)
 
+    def limit_idle(self, nbytes: int) -> Callable[[], None]:
+        """Keep at most `nbytes` idle (with idle_limit and any other limit in force, the smallest holds) until the
+        returned function is called: a user of result memory whose own budget must bound the process's resident
+        memory (offloaded inference: [Note: the inference budget] in zero/inference/offload.py)."""
+        with self._lock:
+            self._caps.append(nbytes)
+            self._sort_back()
+
+        def lift() -> None:
+            with self._lock:
+                if nbytes in self._caps:
+                    self._caps.remove(nbytes)
+        return lift
+
     def trim(self, keep: int = 0) -> None:
         """Unmap idle mappings, the oldest first, until at most `keep` bytes stay idle."""
         with self._lock:
@@ -183,7 +199,7 @@ class ResultPool:
             self._idle[id(mm)] = mm
             self._by_size.setdefault(len(mm), []).append(id(mm))
             self.idle_bytes += len(mm)
-        self._trim(self.idle_limit)
+        self._trim(min([self.idle_limit, *self._caps]))
 
     def _trim(self, keep: int) -> None:
         while self.idle_bytes > keep:

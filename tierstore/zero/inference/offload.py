@@ -33,7 +33,10 @@ offload refuses a budget smaller than twice the largest module's buckets (once, 
 message says what to pass. ``stats().peak_resident_bytes`` is the measured figure: every tensor of weights
 read from the store (or converted to the compute dtype) is counted from its creation until it is freed. With
 the weights on the host tier in the compute dtype the store lends its own copies (no bytes move, nothing
-counted); the store itself then holds the model in memory, which is what the host tier means.
+counted); the store itself then holds the model in memory, which is what the host tier means. The memory the
+weights are read into is recycled ([Note: result memory] in tiers/host.py); while the offload is open the
+mappings kept idle for that are bounded by the budget too, so the process's resident memory follows the
+budget, not the model.
 
 [Note: filling the weight store]
 The store is filled one bucket at a time: each parameter's elements come from its zero.Init handle (whose
@@ -57,6 +60,7 @@ import torch
 
 from ...errors import CorruptionError, MisuseError, TierstoreValueError
 from ...store import Store
+from ...tiers.host import RESULTS
 from .. import heap
 from ..hooks.coordinator import _READS_CHILDREN, ParamCoordinator
 from ..params import registry
@@ -186,6 +190,7 @@ class OffloadedModel:
         self.store = Store([self._dir], budgets={"host": None if tier == "host" else 0, "device": 0,
                                                  "pinned": staging_bytes(budget_bytes)},
                            io_tuning=io_tuning, _fresh=True)
+        self._lift_idle = RESULTS.limit_idle(budget_bytes)  # [Note: the inference budget]
         self._closed = False
         self._names: dict[int, list[str]] = {}  # gid -> parameters in its bucket (for error messages)
         try:
@@ -385,6 +390,7 @@ class OffloadedModel:
             self._after.remove()
         self.store.close(flush=False)
         shutil.rmtree(self._dir, ignore_errors=True)
+        self._lift_idle()
 
     def __enter__(self) -> OffloadedModel:
         return self
