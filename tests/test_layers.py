@@ -3,6 +3,7 @@ manifest, zarr and encoding beside them, and no import circle -- not even one hi
 from __future__ import annotations
 
 import ast
+import graphlib
 import os
 import subprocess
 import sys
@@ -126,14 +127,26 @@ ZERO_RANK = {
 }
 
 
-def _zero_modules() -> list[str]:
+def _modules(top: str = PKG) -> list[str]:
+    """The dotted names of the modules and packages below `top`."""
     out = []
-    for d, _dirs, names in os.walk(os.path.join(PKG, "zero")):
+    for d, _dirs, names in os.walk(top):
         for n in names:
             if n.endswith(".py"):
                 rel = os.path.relpath(os.path.join(d, n), ROOT)[:-3].replace(os.sep, ".")
                 out.append(rel[:-len(".__init__")] if rel.endswith(".__init__") else rel)
     return sorted(out)
+
+
+MODULES = set(_modules())
+
+
+def _module_of(name: str) -> str | None:
+    """The tierstore module an imported name lives in (`tierstore.zero.params.init.Init` -> its module)."""
+    parts = name.split(".")
+    while parts and ".".join(parts) not in MODULES:
+        parts.pop()
+    return ".".join(parts) if parts else None
 
 
 def _zero_place(module: str) -> tuple[int, str]:
@@ -146,27 +159,13 @@ def _zero_place(module: str) -> tuple[int, str]:
     return 0, module
 
 
-def _zero_target(name: str) -> str | None:
-    """The zero module an imported name lives in (`tierstore.zero.params.init.Init` -> its module)."""
-    parts = name.split(".")
-    while len(parts) > 2:
-        mod = ".".join(parts)
-        base = os.path.join(ROOT, *parts)
-        if os.path.exists(base + ".py") or os.path.exists(os.path.join(base, "__init__.py")):
-            return mod
-        parts.pop()
-    return None
-
-
-@pytest.mark.parametrize("module", _zero_modules())
+@pytest.mark.parametrize("module", _modules(os.path.join(PKG, "zero")))
 def test_zero_imports_only_go_down(module):
     own_rank, own_wing = _zero_place(module)
     up = []
     for name, line in _imports(module):
-        if not name.startswith("tierstore.zero"):
-            continue
-        target = _zero_target(name)
-        if target is None or target == module:
+        target = _module_of(name)
+        if target is None or not target.startswith("tierstore.zero.") or target == module:
             continue
         rank, wing = _zero_place(target)
         if (wing == own_wing and rank > 0) or target.startswith(module + "."):
@@ -178,48 +177,11 @@ def test_zero_imports_only_go_down(module):
 
 
 def test_no_import_circles_anywhere():
-    """No circle among tierstore's modules, lazy imports and TYPE_CHECKING blocks included."""
-    mods = []
-    for d, _dirs, names in os.walk(PKG):
-        for n in names:
-            if n.endswith(".py"):
-                rel = os.path.relpath(os.path.join(d, n), ROOT)[:-3].replace(os.sep, ".")
-                mods.append(rel[:-len(".__init__")] if rel.endswith(".__init__") else rel)
-    known = set(mods)
-
-    def target(name: str) -> str | None:
-        parts = name.split(".")
-        while parts and ".".join(parts) not in known:
-            parts.pop()
-        return ".".join(parts) if parts else None
-    graph = {m: {t for n, _ in _imports(m) if (t := target(n)) and t != m and not m.startswith(t + ".")
-                 and not t.startswith(m + ".")} for m in mods}
-    # a package's __init__ re-exporting its modules is not a circle with them; any other cycle is
-    index, low, stack, on, cycles = {}, {}, [], set(), []
-
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                cycles.append(sorted(comp))
-    import sys as _sys
-    _sys.setrecursionlimit(10000)
-    for m in mods:
-        if m not in index:
-            visit(m)
-    assert not cycles, f"import circles: {cycles}"
+    """No circle among tierstore's modules, lazy imports and TYPE_CHECKING blocks included (a package's
+    __init__ importing its own modules, and they it, is not one)."""
+    graph = {m: {t for n, _ in _imports(m) if (t := _module_of(n)) and t != m and not m.startswith(t + ".")
+                 and not t.startswith(m + ".")} for m in MODULES}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        raise AssertionError(f"import circle: {' -> '.join(e.args[1])}") from None

@@ -11,6 +11,7 @@ world size and on other tiers. This module is their public entry; the work is do
     args.py         the arguments the entry points check
     frozen.py       checkpoints without the frozen parameters
     rng.py          rng_state / set_rng_state, for a client_state
+    rank_state.py   this rank's state as one dict, for the optimizer's state_dict() / load_state_dict()
 
 Layout of a checkpoint directory:
 

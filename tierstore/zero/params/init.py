@@ -80,6 +80,7 @@ import threading
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ...errors import MisuseError
 from ...store import Store
@@ -449,8 +450,9 @@ class OffloadedParameter(torch.nn.Parameter):
             if func is torch.Tensor.__repr__:
                 return (f"OffloadedParameter(shape={tuple(h.shape)}, dtype={h.dtype}; value offloaded by "
                         f"tierstore.zero.Init)")
-        for t in _offloaded_in((args, kwargs)):
-            _materialize(t, func)
+        for t in tree_leaves((args, kwargs)):  # checked as it goes: a tensor passed twice is materialised once
+            if isinstance(t, OffloadedParameter) and hasattr(t, "_tierstore_init"):
+                _materialize(t, func)
         return func(*args, **kwargs)
 
 
@@ -472,17 +474,6 @@ _PASS = {getattr(_T, n).__get__ if isinstance(getattr(_T, n, None), type(_T.devi
                    "__hash__", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_")
          if hasattr(_T, n)}
 _PASS.update({_T.requires_grad.__set__, _T.grad.__set__, _T.is_contiguous})  # type: ignore[attr-defined,union-attr]
-
-
-def _offloaded_in(obj):
-    if isinstance(obj, OffloadedParameter) and hasattr(obj, "_tierstore_init"):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _offloaded_in(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _offloaded_in(o)
 
 
 def _wrap(p: torch.Tensor, handle: _Handle) -> None:
