@@ -208,7 +208,7 @@ def _idle_after_forwards(root: str) -> dict:
     def burst() -> int:
         held = [result_empty(1 << 20) for _ in range(8)]  # given back together, as a forward's reads can be
         del held
-        return RESULTS.idle_bytes
+        return RESULTS.idle()
     torch.manual_seed(0)
     m = Deep(layers=12, width=512)
     x = torch.randn(4, 512)

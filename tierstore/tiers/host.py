@@ -178,6 +178,13 @@ class ResultPool:
                     self._caps.remove(nbytes)
         return lift
 
+    def idle(self) -> int:
+        """Bytes kept idle, every mapping given back so far filed and the limits applied (``idle_bytes`` read
+        without the lock can catch another thread between filing and trimming)."""
+        with self._lock:
+            self._sort_back()
+            return self.idle_bytes
+
     def trim(self, keep: int = 0) -> None:
         """Unmap idle mappings, the oldest first, until at most `keep` bytes stay idle."""
         with self._lock:
