@@ -177,7 +177,7 @@ def _in_flight_bytes(cfg) -> int:
     success must not follow the load, so the default budget is a third of the states plus this bound -- the
     most those buffers can hold, whatever the timing -- and the summary shows both parts."""
     sg = cfg.sub_group_bytes
-    queued = cfg.pipeline_depth * sg if cfg.overlap_step else 0  # sub-groups backward queues for the step
+    queued = cfg.pipeline_depth * sg if cfg.overlap_step is not False else 0  # sub-groups queued for the step
     return cfg.prefetch_bytes + cfg.prefetch_depth * sg + 2 * cfg.pipeline_depth * sg + queued + cfg.pinned_bytes
 
 

@@ -28,50 +28,72 @@ def test_the_overlapped_step_alone_gets_the_raw_engine_on_its_own_bytes(tmp_path
 @pytest.mark.slow  # a process per case: ~5 s each on a quiet machine
 def test_bench_optim_tiny_runs_every_tierstore_case(tmp_path, capsys):
     out = tmp_path / "optim.json"
-    rc = main(["bench", "optim", "--params", "1.5e5", "--width", "128", "--batch", "4",
-               "--cases", "torch-fused,host,nvme,nvme8,nvme-overlap,nvme8-overlap,nvme-noreuse",
-               "--dir", str(tmp_path / "d"),
-               "--json", str(out), *TINY])
+    cases = ["torch-fused", "host", "nvme", "nvme8", "nvme-plain", "nvme-overlap", "nvme8-overlap", "nvme-noreuse",
+             "nvme-bf16", "nvme8-bf16"]
+    rc = main(["bench", "optim", "--params", "1.5e5", "--width", "128", "--batch", "4", "--cases", ",".join(cases),
+               "--dir", str(tmp_path / "d"), "--json", str(out), *TINY])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["layers"] == 9 and r["parameters"] == 9 * (128 * 128 + 128)
-    assert set(r["median"]) == {"torch-fused", "host", "nvme", "nvme8", "nvme-overlap", "nvme8-overlap",
-                                "nvme-noreuse", "raw-read", "raw-write", "raw-both", "raw-both-overlap",
-                                "raw-both-overlap8"}
-    for c in ("torch-fused", "host", "nvme", "nvme8", "nvme-overlap", "nvme8-overlap"):
+    assert set(r["median"]) == {*cases, "raw-read", "raw-write", "raw-both", "raw-both-overlap", "raw-both-overlap8"}
+    for c in cases:
         m = r["median"][c]
         assert 0 < m["fwd_bwd"] < m["full"] and 0 < m["step"] < m["full"]
         assert len(r["samples"][c]) == 2  # one timed step per round
         assert r["peak_rss"][c] > 50 << 20  # its own process: torch alone is more than that
-    nvme = r["bytes_per_step"]["nvme"]
-    # an nvme step reads at least the fp32 master + two states and writes them back (12 bytes per parameter)
-    assert nvme["nvme_read"] >= 12 * r["parameters"] and nvme["nvme_written"] >= 12 * r["parameters"]
-    assert r["bytes_per_step"]["nvme8"]["nvme_written"] < nvme["nvme_written"]  # 8-bit states: fewer bytes
-    assert r["bytes_per_step"]["host"]["nvme_read"] == 0
-    # by kind (OptimizerStats.disk_read / disk_written): the fp32 master is read and written once per step
-    assert nvme["disk_written_master"] == pytest.approx(4 * r["parameters"], rel=0.05)
-    # the overlapped step takes each gradient partition from backward: no gradient byte touches the disk
-    assert nvme["disk_written_grads"] > 0 and r["bytes_per_step"]["nvme-overlap"]["disk_written_grads"] == 0
-    both = r["bytes_per_step"]["nvme8-overlap"]  # 8-bit states and no gradient bytes
-    assert both["disk_written_grads"] == 0 and both["disk_written_states"] < nvme["disk_written_states"] / 3
+    by = r["bytes_per_step"]
+    n = r["parameters"]
+    plain, nvme = by["nvme-plain"], by["nvme"]
+    # a plain nvme step reads at least the fp32 master + two states and writes them back (12 bytes per parameter)
+    assert plain["nvme_read"] >= 12 * n and plain["nvme_written"] >= 12 * n
+    assert by["nvme8"]["nvme_written"] < nvme["nvme_written"]  # 8-bit states: fewer bytes
+    assert by["host"]["nvme_read"] == 0
+    # by kind (OptimizerStats.disk_read / disk_written): the fp32 master is written once per step
+    assert plain["disk_written_master"] == pytest.approx(4 * n, rel=0.05)
+    # the default (overlap_step="auto") overlaps the timed steps, as overlap_step=True does: no gradient byte
+    # touches the disk, where the plain step writes and reads every one
+    assert plain["disk_written_grads"] > 0
+    assert nvme["disk_written_grads"] == by["nvme-overlap"]["disk_written_grads"] == 0
+    both = by["nvme8-overlap"]  # 8-bit states and no gradient bytes
+    assert both["disk_written_grads"] == 0 and both["disk_written_states"] < plain["disk_written_states"] / 3
+    # bf16 compute: half the parameter bytes; with dynamic8 fewer state bytes again
+    assert by["nvme8-bf16"]["disk_written_states"] < by["nvme-bf16"]["disk_written_states"] / 3
     assert r["ratios"]["nvme8-overlap speedup over nvme-overlap, full"] > 0
+    assert r["ratios"]["nvme speedup over nvme-plain, full"] > 0
     # the disk's own ratio for the same bytes, moved by the raw engine in the same rounds
     assert r["ratios"]["raw engine: nvme-overlap's bytes over nvme8-overlap's"] > 0
     assert r["ratios"]["nvme8-overlap full / raw read+write of its bytes at once"] > 0
     # each nvme case against the raw engine moving its own bytes
     assert r["ratios"]["nvme-overlap full / max(torch-fused full, raw read+write at once)"] > 0
     # reuse_bytes: backward reads fewer parameters, the step fewer masters, than with it off; the rest the same
-    off = r["bytes_per_step"]["nvme-noreuse"]
+    off = by["nvme-noreuse"]
     assert nvme["disk_read_params"] < off["disk_read_params"] and nvme["disk_read_master"] < off["disk_read_master"]
     assert all(nvme[k] == off[k] for k in ("disk_written_master", "disk_read_states", "disk_written_states"))
     assert r["ratios"]["nvme speedup over nvme-noreuse (reuse_bytes), full"] > 0
     for k in ("host/torch-fused full", "nvme8 speedup over nvme, full",
               "nvme full / max(torch-fused full, raw read+write at once)"):
         assert r["ratios"][k] > 0
+    # the kernel's bytes per parameter per step, every timed step, checked against their targets
+    assert {"nvme", "nvme-bf16", "nvme8-bf16"} <= set(r["byte_rounds"])
+    assert all(len(v) == 2 for v in r["byte_rounds"].values())
+    assert all(x > 0 for c in ("nvme", "nvme-bf16", "nvme8-bf16") for x in r["byte_rounds"][c])
+    assert [row[0] for row in r["byte_verdicts"]] == ["nvme: B/param/step", "nvme-bf16: B/param/step",
+                                                      "nvme8-bf16: B/param/step"]
     assert len(r["load_average"]) == 2
     text = capsys.readouterr().out
-    assert "load average" in text and "raw engine: read + write at once" in text
+    assert "load average" in text and "raw engine: read + write at once" in text and "nvme-bf16: B/param/step" in text
     assert not any((tmp_path / "d").iterdir())  # the benchmark removed its files
+
+
+@pytest.mark.parametrize("ours, theirs, want", [
+    ([25.0, 25.5], [32.0, 33.0], ["met", "met"]),
+    ([26.0, 28.0], [32.0, 32.0], ["undecided (spread 26.00–28.00 crosses the target)", "met"]),
+    ([28.0, 29.0], [27.0, 27.0], ["MISSED", "MISSED"]),
+])
+def test_byte_targets_are_decided_by_every_step(ours, theirs, want):
+    rows = steps.byte_verdicts({"nvme": ours, "ds-infinity": theirs})
+    assert [row[0] for row in rows] == ["nvme: B/param/step", "nvme / ds-infinity bytes"]
+    assert [row[3] for row in rows] == want
 
 
 @pytest.mark.slow

@@ -410,6 +410,8 @@ def test_stats_name_the_step_paths_a_run_took(tmp_path, kw):
         assert paths.get("partly-skipped", 0) == st.partly_skipped
         if kw.get("overlap_step"):
             assert paths["overlapped"] == st.overlapped > 0
+        elif kw["states"] == "nvme":  # overlap_step="auto": the first step plain, then overlapped
+            assert paths["pipelined"] == n and paths["overlapped"] == st.overlapped == 2 * n
         elif kw["states"] == "host":  # memory tiers: the first step one sub-group at a time, then one inner step
             assert paths == {"first": n, "inline": n, "in-place": 2 * n}
         else:

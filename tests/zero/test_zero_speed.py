@@ -176,7 +176,8 @@ def test_accumulation_into_kept_partitions_is_exact(tmp_path):
 def _one_nvme_step(tmp_path, **kw):
     """(disk bytes read, written by kind in the second step, buckets held between its forward and backward,
     the optimizer's layout and config, bytes of the masters its forward took from the first step) of Deep(2, 64)
-    with everything on nvme."""
+    with everything on nvme; the plain step unless `kw` says otherwise."""
+    kw.setdefault("overlap_step", False)
     torch.manual_seed(0)
     m = Deep(layers=2, width=64)
     opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-3, config=cfg(tmp_path, params="nvme", states="nvme",

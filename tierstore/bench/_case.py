@@ -3,8 +3,10 @@
 
 Cases: torch-fused / torch-foreach (torch.optim.AdamW in memory, the reference), host (Zero3Optimizer over
 AdamW(fused=True), as the reference, with parameters, gradients, master and states on the host tier), nvme (all
-of them on the nvme tier), nvme8 (nvme with state_codec="dynamic8"), nvme-overlap (nvme with overlap_step),
-nvme8-overlap (both), nvme-noreuse (nvme with reuse_bytes=0: what is at hand is read again).
+of them on the nvme tier, the rest of the config its defaults), nvme8 (nvme with state_codec="dynamic8"),
+nvme-plain (nvme with overlap_step=False), nvme-overlap / nvme8-overlap (overlap_step=True from the first
+step), nvme-bf16 / nvme8-bf16 (compute_dtype=torch.bfloat16, fp32 / dynamic8 states), nvme-noreuse (nvme with
+reuse_bytes=0: what is at hand is read again).
 """
 from __future__ import annotations
 
@@ -13,22 +15,29 @@ import os
 import sys
 
 TORCH_CASES: dict[str, dict] = {"torch-fused": {"fused": True}, "torch-foreach": {"foreach": True}}
-# case -> (tier of everything, state codec, OffloadConfig.overlap_step)
-TIERSTORE_CASES = {"host": ("host", None, False), "nvme": ("nvme", None, False), "nvme8": ("nvme", "dynamic8", False),
-                   "nvme-overlap": ("nvme", None, True), "nvme8-overlap": ("nvme", "dynamic8", True),
-                   "nvme-noreuse": ("nvme", None, False)}
+# case -> (tier of everything, OffloadConfig fields other than the defaults; "compute_dtype" by name)
+TIERSTORE_CASES: dict[str, tuple[str, dict]] = {
+    "host": ("host", {}), "nvme": ("nvme", {}), "nvme8": ("nvme", {"state_codec": "dynamic8"}),
+    "nvme-plain": ("nvme", {"overlap_step": False}), "nvme-overlap": ("nvme", {"overlap_step": True}),
+    "nvme8-overlap": ("nvme", {"state_codec": "dynamic8", "overlap_step": True}),
+    "nvme-bf16": ("nvme", {"compute_dtype": "bfloat16"}),
+    "nvme8-bf16": ("nvme", {"compute_dtype": "bfloat16", "state_codec": "dynamic8"}),
+    "nvme-noreuse": ("nvme", {"reuse_bytes": 0})}
 
 
 def offload_config(case: str, spec: dict):
     """The OffloadConfig of a tierstore case."""
+    import torch
+
     from ..zero import OffloadConfig
 
-    tier, codec, overlap = TIERSTORE_CASES[case]
+    tier, fields = TIERSTORE_CASES[case]
+    fields = dict(fields)
+    if "compute_dtype" in fields:
+        fields["compute_dtype"] = getattr(torch, fields["compute_dtype"])
     return OffloadConfig(params=tier, optimizer_states=tier, gradients=tier,
                          nvme_paths=[os.path.join(spec["dir"], case)] if tier == "nvme" else None,
-                         state_codec=codec, sub_group_bytes=spec["sub_group_bytes"],
-                         pinned_bytes=spec["pinned_bytes"], overlap_step=overlap,
-                         reuse_bytes=0 if case == "nvme-noreuse" else None)
+                         sub_group_bytes=spec["sub_group_bytes"], pinned_bytes=spec["pinned_bytes"], **fields)
 
 
 def tier_bytes(opt) -> dict[str, int]:
@@ -80,6 +89,7 @@ def main(argv: list[str]) -> int:
     cfg = offload_config(case, spec)
     with zero.Init(cfg):
         model = make()
+    loss_fn = _harness.in_dtype(loss_fn, cfg.compute_dtype)
     zopt = zero.Zero3Optimizer(model, torch.optim.AdamW, config=cfg, lr=spec["lr"], fused=True)  # as torch-fused
 
     def step_and_zero() -> None:

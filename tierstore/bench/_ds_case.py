@@ -8,8 +8,9 @@ one process, ZeRO stage 3 with DeepSpeedCPUAdam (DeepSpeed picks it for an offlo
 under deepspeed.zero.Init.
 
 Cases:
-  ds-offload   ZeRO-Offload: optimizer states (and fp32 master) on the CPU, parameters not offloaded
-  ds-infinity  ZeRO-Infinity: parameters and optimizer states on NVMe (needs DeepSpeed's aio op: libaio)
+  ds-offload        ZeRO-Offload: optimizer states (and fp32 master) on the CPU, parameters not offloaded
+  ds-infinity       ZeRO-Infinity: parameters and optimizer states on NVMe (needs DeepSpeed's aio op: libaio)
+  ds-infinity-bf16  the same with its bf16 section enabled: bf16 parameters and compute, fp32 master and states
 
 [Note: DeepSpeed's fp32 dtype on the CPU accelerator]
 DeepSpeed 0.19.8 picks the dtype of partitioned parameters in Init._set_dtype with
@@ -28,7 +29,7 @@ import os
 import socket
 import sys
 
-CASES = ("ds-offload", "ds-infinity")
+CASES = ("ds-offload", "ds-infinity", "ds-infinity-bf16")
 AIO_MISSING = ("DeepSpeed's aio op cannot build here: {why}. ZeRO-Infinity (NVMe) needs it. Install libaio's "
                "headers, then run again: `apt-get install libaio-dev` (Debian/Ubuntu; `dnf install libaio-devel` "
                "on Fedora/RHEL)")
@@ -60,7 +61,7 @@ def ds_config(case: str, spec: dict, layers: int, largest_param: int) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    if case == "ds-infinity":
+    if case.startswith("ds-infinity"):
         nvme = os.path.join(spec["dir"], case)
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": True,
                                      "buffer_count": 12}
@@ -69,6 +70,8 @@ def ds_config(case: str, spec: dict, layers: int, largest_param: int) -> dict:
                                  # elements per buffer: the largest parameter, rounded up to 1 MiB of fp32
                                  "buffer_size": -(-largest_param // (1 << 18)) * (1 << 18)}
         cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True}
+    if case.endswith("-bf16"):
+        cfg["bf16"] = {"enabled": True}
     return cfg
 
 
@@ -106,7 +109,7 @@ def main(argv: list[str]) -> int:
     import deepspeed
     import torch
 
-    if case == "ds-infinity":
+    if case.startswith("ds-infinity"):
         why = aio_problem()
         if why:
             _harness.say({"error": AIO_MISSING.format(why=why)})
@@ -122,6 +125,8 @@ def main(argv: list[str]) -> int:
     with deepspeed.zero.Init(config_dict_or_path=cfg):  # [Note: DeepSpeed's fp32 dtype on the CPU accelerator]
         model = make()
     engine, _opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if case.endswith("-bf16"):
+        loss_fn = _harness.in_dtype(loss_fn, torch.bfloat16)
     n = [0]
     # the parameter swapper ZeRO-Infinity writes updated parameters through, asynchronously
     swapper = next((p.nvme_swapper for p in model.parameters() if getattr(p, "nvme_swapper", None)), None)

@@ -76,6 +76,19 @@ def build(spec: dict):
     raise ValueError(f"model {spec['model']!r}: use 'linear' or 'gpt'")
 
 
+def in_dtype(loss_fn, dtype):
+    """loss_fn with its floating-point inputs and targets in `dtype` (the model computes in it: bf16 compute,
+    as with model.bfloat16()); token ids stay integers."""
+    import torch
+
+    if dtype == torch.float32:
+        return loss_fn
+
+    def cast(model, x, y):
+        return loss_fn(model, *(t.to(dtype) if t.is_floating_point() else t for t in (x, y)))
+    return cast
+
+
 def shape_of(spec: dict) -> tuple[int, int, int]:
     """(width, layers, parameters) of spec's model, without building it."""
     if spec["model"] == "linear":

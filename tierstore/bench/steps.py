@@ -32,17 +32,20 @@ from .bytes_table import per_param, print_bytes_table
 from .verdict import Load, round_order, spread_text, verdict
 
 TORCH = ("torch-fused", "torch-foreach")
-TIERSTORE = ("host", "nvme", "nvme8", "nvme-overlap", "nvme8-overlap")
-DEEPSPEED = ("ds-offload", "ds-infinity")
+TIERSTORE = ("host", "nvme", "nvme8", "nvme-bf16", "nvme8-bf16")
+DEEPSPEED = ("ds-offload", "ds-infinity", "ds-infinity-bf16")
 ALL = TORCH + TIERSTORE + DEEPSPEED
-# run only when named in --cases: the nvme tier without OffloadConfig.reuse_bytes, to measure what it saves
-OPTIONAL = ("nvme-noreuse",)
+# run only when named in --cases: the nvme tier with one default changed, to measure what the default gives
+OPTIONAL = ("nvme-plain", "nvme-overlap", "nvme8-overlap", "nvme-noreuse")
 LABELS = {"torch-fused": "torch AdamW(fused), in memory", "torch-foreach": "torch AdamW(foreach), in memory",
           "host": "tierstore host tier", "nvme": "tierstore nvme tier", "nvme8": "tierstore nvme + dynamic8",
-          "nvme-overlap": "tierstore nvme, step overlapping backward (overlap_step)",
-          "nvme8-overlap": "tierstore nvme + dynamic8, step overlapping backward",
+          "nvme-bf16": "tierstore nvme, bf16 compute", "nvme8-bf16": "tierstore nvme, bf16 compute + dynamic8",
+          "nvme-plain": "tierstore nvme, overlap_step=False (the step after backward)",
+          "nvme-overlap": "tierstore nvme, overlap_step=True (overlapped from the first step)",
+          "nvme8-overlap": "tierstore nvme + dynamic8, overlap_step=True",
           "nvme-noreuse": "tierstore nvme, reuse_bytes=0 (reads again what is at hand)",
           "ds-offload": "DeepSpeed ZeRO-3 ZeRO-Offload", "ds-infinity": "DeepSpeed ZeRO-3 ZeRO-Infinity",
+          "ds-infinity-bf16": "DeepSpeed ZeRO-Infinity, bf16",
           "raw-read": "raw engine: read the nvme step's bytes", "raw-write": "raw engine: write them",
           "raw-both": "raw engine: read + write at once",
           "raw-both-overlap": "raw engine: nvme-overlap's bytes, read + write at once",
@@ -303,7 +306,7 @@ def run(args, model: str, name: str) -> int:
     load1 = os.getloadavg()
     load.samples.append(load1[0])
     tokens = args.batch * args.context if model == "gpt" else 0
-    result = summarize(samples, final, ready, tokens)
+    result = summarize(samples, final, ready, tokens, nparams)
     result["verdicts"] = verdicts(result, load)
     print_results(name, result, args, nparams, layers, width, tokens, load, skipped, notes)
     write_json(getattr(args, "json", None), {
@@ -311,6 +314,8 @@ def run(args, model: str, name: str) -> int:
         "width": width, "tokens_per_step": tokens, "rounds": args.rounds, "load_average": [load0, load1],
         "load": load.as_dict(), "round_orders": orders, "median": result["median"], "ratios": result["ratios"],
         "ratio_rounds": result["ratio_rounds"], "verdicts": result["verdicts"], "targets": TARGETS,
+        "byte_rounds": result["byte_rounds"], "byte_targets": BYTE_TARGETS,
+        "byte_verdicts": byte_verdicts(result["byte_rounds"]),
         "peak_rss": result["peak_rss"], "bytes_per_step": result["bytes"],
         "bytes_per_param_per_step": per_param(result["bytes"], nparams), "samples": samples, "ready": ready,
         "skipped": skipped, "notes": notes})
@@ -318,8 +323,10 @@ def run(args, model: str, name: str) -> int:
     return 0
 
 
-def summarize(samples: dict[str, list[dict]], final: dict[str, dict], ready: dict[str, dict], tokens: int) -> dict:
-    """Medians per case, the ratios the targets are stated in, peak RSS and bytes per step."""
+def summarize(samples: dict[str, list[dict]], final: dict[str, dict], ready: dict[str, dict], tokens: int,
+              nparams: int = 0) -> dict:
+    """Medians per case, the ratios the targets are stated in, peak RSS, bytes per step and, with `nparams`, the
+    kernel's bytes per parameter per step against BYTE_TARGETS."""
     med = {c: {k: _median([s[k] for s in ss if k in s]) for k in ("fwd_bwd", "step", "full")}
            for c, ss in samples.items()}
     by = {}
@@ -342,8 +349,9 @@ def summarize(samples: dict[str, list[dict]], final: dict[str, dict], ready: dic
             ratios[key] = med[a][what] / med[b][what]
             per_round[key] = each(lambda x, y: x / y, rounds_of(a, what), rounds_of(b, what))
 
-    for c in TIERSTORE + DEEPSPEED + ("torch-foreach",):
+    for c in TIERSTORE + OPTIONAL + DEEPSPEED + ("torch-foreach",):
         put(f"{c}/torch-fused full", c, "torch-fused")
+    put("nvme speedup over nvme-plain, full", "nvme-plain", "nvme")
     put("nvme8 speedup over nvme, full", "nvme", "nvme8")
     put("nvme-overlap speedup over nvme, full", "nvme", "nvme-overlap")
     put("nvme8-overlap speedup over nvme-overlap, full", "nvme-overlap", "nvme8-overlap")
@@ -357,7 +365,8 @@ def summarize(samples: dict[str, list[dict]], final: dict[str, dict], ready: dic
             per_round[key] = each(lambda x, t, r: x / max(t, r), rounds_of(c), rounds_of("torch-fused"),
                                   rounds_of(raw))
     for ours, theirs in (("host", "ds-offload"), ("nvme", "ds-infinity"), ("nvme8", "ds-infinity"),
-                         ("nvme-overlap", "ds-infinity")):
+                         ("nvme-overlap", "ds-infinity"), ("nvme-bf16", "ds-infinity-bf16"),
+                         ("nvme8-bf16", "ds-infinity-bf16")):
         for what in ("fwd_bwd", "step", "full"):
             put(f"{ours}/{theirs} {what}", ours, theirs, what)
         if ours in rss and theirs in rss:
@@ -371,7 +380,41 @@ def summarize(samples: dict[str, list[dict]], final: dict[str, dict], ready: dic
                 per_round[f"{c}/torch-fused tokens/s"] = each(lambda t, x: t / x, rounds_of("torch-fused"),
                                                               rounds_of(c))
     return {"median": med, "ratios": ratios, "ratio_rounds": per_round, "peak_rss": rss, "bytes": by,
-            "tokens_per_s": tps}
+            "tokens_per_s": tps, "byte_rounds": byte_rounds(samples, nparams) if nparams else {}}
+
+
+# the kernel's bytes read + written per parameter per step: at most this, and at most the DeepSpeed case of the
+# same precision in the same run (its bytes in the same rounds)
+BYTE_TARGETS = {"nvme": (27.0, "ds-infinity"), "nvme-bf16": (26.0, "ds-infinity-bf16"),
+                "nvme8-bf16": (14.0, "ds-infinity-bf16")}
+
+
+def byte_rounds(samples: dict[str, list[dict]], nparams: int) -> dict[str, list[float]]:
+    """Each case's kernel bytes read + written per parameter, one value per timed step."""
+    out = {}
+    for c, ss in samples.items():
+        vals = [(s["bytes"]["kernel_read"] + s["bytes"]["kernel_written"]) / nparams for s in ss
+                if "kernel_read" in s.get("bytes", {})]
+        if vals:
+            out[c] = vals
+    return out
+
+
+def byte_verdicts(rounds: dict[str, list[float]]) -> list[list[str]]:
+    """Rows (check, value, target, verdict) of BYTE_TARGETS for the cases that ran: bytes are not timed, so
+    the load cannot flip them; every step's count must be on the target's side."""
+    rows = []
+    for c, (most, peer) in BYTE_TARGETS.items():
+        if c not in rounds:
+            continue
+        mine = rounds[c]
+        rows.append([f"{c}: B/param/step", f"{statistics.median(mine):.2f}", f"<= {most:g}",
+                     verdict(mine, ("<=", most), None, timed=False)])
+        if peer in rounds:
+            rows.append([f"{c} / {peer} bytes", f"{statistics.median(mine) / statistics.median(rounds[peer]):.2f}x",
+                         "<= 1x", verdict([m / statistics.median(rounds[peer]) for m in mine], ("<=", 1.0), None,
+                                          timed=False)])
+    return rows
 
 
 def verdicts(result: dict, load: Load) -> dict[str, str]:
@@ -430,6 +473,11 @@ def print_results(name, result, args, nparams, layers, width, tokens, load: Load
     print_table(f"bench {name}: ratios (same run)", ["ratio", "median", "rounds min–max", "target", "verdict"],
                 rrows, caption=f"{load.describe()} ([Note: a verdict the load cannot flip] in bench/verdict.py)")
     print_bytes_table(f"bench {name}", by, nparams, LABELS)
+    brows = byte_verdicts(result.get("byte_rounds", {}))
+    if brows:
+        print_table(f"bench {name}: bytes per parameter per step against their targets (the kernel's count)",
+                    ["check", "median", "target", "verdict"], brows,
+                    caption="every timed step's count must be on the target's side; bytes do not follow the load")
     for c, why in skipped.items():
         print(f"skipped {c}: {why}")
     for n in notes:

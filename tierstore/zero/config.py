@@ -193,17 +193,21 @@ class OffloadConfig:
         1, group="collectives",
         doc="hpZ: a secondary copy of the parameters partitioned over this many ranks (a node), so backward's "
             "all-gathers stay inside it; 1: off, a divisor of the world size, or 'node' ([Note: hpZ])")
-    overlap_step: bool = knob(
-        False, group="overlap",
+    overlap_step: bool | str = knob(
+        "auto", group="overlap",
         doc="step each sub-group during backward as soon as its gradient is final (at world size N, once every "
             "rank's reduce-scatter of it is), on the pipeline's threads; opt.step() finishes the step; "
             "micro-batches that are not the last run inside `with opt.accumulating():` "
-            "([Note: overlapped step]). Not with float16")
+            "([Note: overlapped step]). 'auto': from the second step on wherever it gives the plain step's result "
+            "and saves something -- no float16, no exact gradient_clipping, some state on nvme or off the compute "
+            "device, a loop that clips nothing and runs one backward per step "
+            "([Note: the overlapped step by default]); True: always (not with float16); False: never")
     clip_mode: str = knob(
         "exact", group="overlap",
         doc="'exact': clip_grad_norm_ after backward, applied by the next step() (refused after a backward that "
-            "ran with overlap_step); 'previous_norm': each step clips with the max_norm and global norm of the "
-            "clip_grad_norm_ call before it (the first step is not clipped) -- what overlap_step needs to clip")
+            "stepped sub-groups: overlap_step=True, or 'auto' once chosen); 'previous_norm': each step clips "
+            "with the max_norm and global norm of the clip_grad_norm_ call before it (the first step is not "
+            "clipped) -- what overlap_step needs to clip")
     activation_offload: str | None = knob(
         None, group="activations",
         doc="'host' or 'nvme': the tensors the forward saves for backward go to that tier "

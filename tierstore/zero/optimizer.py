@@ -31,7 +31,6 @@ import shutil
 import tempfile
 import weakref
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 
@@ -50,9 +49,10 @@ from .step import clip
 from .step.disk_bytes import KINDS
 from .step.grad_partitions import GradPartitions
 from .step.inner import build_inner, check_elementwise, normalise_groups
-from .step.overlap import OverlappedStep
+from .step.overlap import OverlappedStep, overlap_mode
 from .step.scaling import GradScaling
 from .step.shards import ModelShards, model_params, param_shapes
+from .step.stats import OptimizerStats
 from .step.stepper import StepContext, SubgroupStepper
 
 
@@ -63,35 +63,6 @@ def _zero_model_and_partitions(model_zero_grad, opt_ref, set_to_none: bool = Tru
     opt = opt_ref()
     if opt is not None and getattr(opt, "store", None) is not None:
         opt.zero_grad(set_to_none)
-
-
-@dataclass(frozen=True)
-class OptimizerStats:
-    """What Zero3Optimizer.step() did, as of one call to Zero3Optimizer.stats(). The hooks' own counters
-    (gathers, prefetch, reductions) are in ``opt.coordinator.stats()``; the store's bytes moved per tier in
-    ``opt.store.stats()``."""
-
-    steps: int  # steps taken (a step skipped for an fp16 overflow is not one); a loaded checkpoint sets it
-    overflow_skips: int  # fp16 steps skipped because a gradient overflowed (the scale halved each time); checkpointed
-    loss_scale: float  # the current fp16 loss scale (1.0 without fp16 loss scaling)
-    quantized_states: int  # optimizer states (one per sub-group and state, e.g. exp_avg) held in 8 bits now
-    fused_steps: int  # sub-group steps done by the fused 8-bit AdamW kernel ([Note: fused 8-bit step in ZeRO-3])
-    # sub-group steps on this rank that left some of its elements alone, their parameters having had no gradient
-    # ([Note: skipped parameters])
-    partly_skipped: int
-    # bytes read from / written to the nvme tier since construction, by kind ("params", "grads", "master",
-    # "states"; 8-bit states as stored) -- [Note: disk bytes by kind] in disk_bytes.py
-    disk_read: dict[str, int]
-    disk_written: dict[str, int]
-    overlapped: int  # sub-group steps done during backward ([Note: overlapped step])
-    # sub-group steps that took the master backward had read from nvme instead of reading it again ([Note: masters
-    # at hand] in stepper.py)
-    masters_at_hand: int
-    # masters the forward took from the step that wrote them instead of reading them ([Note: stepped masters kept
-    # for the forward] in stepper.py)
-    masters_kept: int
-    # path name -> sub-group steps on this rank that took it ([Note: step paths] in stepper.py)
-    step_paths: dict[str, int]
 
 
 class Zero3Optimizer(torch.optim.Optimizer):
@@ -163,21 +134,22 @@ class Zero3Optimizer(torch.optim.Optimizer):
         # ([Note: a failed load changes nothing] in checkpoint/verify.py); None: usable
         self.unusable: str | None = None
         clip.register(self)  # [Note: clipping through torch's functions]
+        overlap = overlap_mode(cfg, self.device)  # [Note: the overlapped step by default] in overlap.py
         self.coordinator = ParamCoordinator(
             model, self.layout, self._params, self.shards.fetch, self._grads, device=self.device,
             group=process_group, quantized_weights=cfg.quantized_weights and self.world_size > 1,
             quantized_gradients=cfg.quantized_gradients and self.world_size > 1,
             intra_node_size=cfg.intra_node_size, prefetch_depth=cfg.prefetch_depth, prefetch_bytes=cfg.prefetch_bytes,
-            reuse_bytes=cfg.reuse_budget, lend_shard=None if cfg.overlap_step else self.shards.lend, events=events)
+            reuse_bytes=cfg.reuse_budget, lend_shard=None if overlap == "on" else self.shards.lend, events=events)
         self.hpz = Hpz.attach(self.coordinator, cfg.hpz_partition_size, params_tier=cfg.params)  # or None
         # [Note: a partitioned model's state dict] in module_state.py: model.state_dict() / load_state_dict()
         self.module_state = ModuleState(model, self.layout, self._params, self.coordinator, self.shards.fetch,
                                         self.shards.read_master, self.shards.write_master, device=self.device,
                                         group=process_group)
         self.coordinator.subscribe(self.scaling)  # refuses a gradient after a pending clip
-        if cfg.overlap_step:
+        if overlap != "off":
             self.overlap = OverlappedStep(cfg, self._stepper, self._grads, self.layout, self.coordinator,
-                                          self.scaling.step_coef, self.check_usable)
+                                          self.scaling.step_coef, self.check_usable, overlap, process_group)
         self.shards.listen(self.coordinator, self.overlap.stream.queue_bytes if self.overlap is not None else 0)
         self.activations = None  # tierstore.ActivationOffload when config.activation_offload is set
         if cfg.activation_offload is not None:
@@ -291,6 +263,8 @@ class Zero3Optimizer(torch.optim.Optimizer):
             self.overlap.wait()  # the sub-groups stepped during backward ([Note: overlapped step] in overlap.py)
         if not self._grads:  # no backward since zero_grad(): like torch, nothing to do
             return loss
+        if self.overlap is not None:
+            self.overlap.observe(clipped=sc.touched, closure=closure is not None)
         if sc.overflowed():  # float16: the step is skipped ([Note: clipping with the loss scale] in scaling.py)
             self.zero_grad()
             return loss

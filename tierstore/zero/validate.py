@@ -148,13 +148,13 @@ def offload_config(config: Any) -> None:
                                   f"divides the world size, or 'node'")
     if config.clip_mode not in CLIP_MODES:
         raise TierstoreValueError(f"OffloadConfig(clip_mode={config.clip_mode!r}): use one of {CLIP_MODES}")
-    if not isinstance(config.overlap_step, bool):
-        raise TierstoreValueError(f"OffloadConfig(overlap_step={config.overlap_step!r}): True or False")
-    if config.overlap_step and config.compute_dtype == torch.float16:
+    if not isinstance(config.overlap_step, bool) and config.overlap_step != "auto":
+        raise TierstoreValueError(f"OffloadConfig(overlap_step={config.overlap_step!r}): True, False or 'auto'")
+    if config.overlap_step is True and config.compute_dtype == torch.float16:
         raise TierstoreValueError("OffloadConfig(overlap_step=True) with compute_dtype=torch.float16: the fp16 "
                                   "loss scaler must see every gradient (overflow) before any sub-group is "
                                   "stepped; use bfloat16, or overlap_step=False")
-    if config.overlap_step and config.gradient_clipping and config.clip_mode == "exact":
+    if config.overlap_step is True and config.gradient_clipping and config.clip_mode == "exact":
         raise TierstoreValueError(f"OffloadConfig(overlap_step=True, gradient_clipping={config.gradient_clipping}): "
                                   f"exact clipping needs the global norm before any sub-group is stepped; add "
                                   f"clip_mode='previous_norm' (clip with the previous step's norm), or "

@@ -529,6 +529,10 @@ class ParamCoordinator:
         if self.events:
             self.events.emit("backward_end", aborted)
 
+    def stop_lending(self) -> None:
+        """Gather copies from now on, never the store's own shard ([Note: the overlapped step by default])."""
+        self._lend = None
+
     def clear_grad_flags(self) -> None:
         """Forget which parameters received a gradient (zero_grad)."""
         self.reducer.grad_names.clear()

@@ -54,6 +54,9 @@ from ..hooks.events import Subscribers
 from ..params.layout import Layout
 from .disk_bytes import DiskBytes
 
+# who steps during backward, for the errors that refuse what it makes impossible
+OVERLAPPED = ("the overlapped step: OffloadConfig(overlap_step=True), or overlap_step='auto' (the default) once the "
+              "first step saw a loop it fits, [Note: the overlapped step by default] in overlap.py")
 
 class GradPartitions:
     """The gradient partitions of one rank on tier `tier`. See [Note: persistent gradient partitions]."""
@@ -92,9 +95,11 @@ class GradPartitions:
         (its contents are stale), else add to it. Call close(gid, partition) after."""
         if gid in self.stepped:
             raise MisuseError(
-                f"sub-group {gid} received more gradient after OffloadConfig(overlap_step=True) had stepped it in "
-                f"this backward (a parameter of it got a second gradient, e.g. shared by two reentrant "
-                f"checkpointed regions); that step cannot be undone. Train this model with overlap_step=False")
+                f"sub-group {gid} received more gradient after {OVERLAPPED} had stepped it since the last step(): "
+                f"a second backward outside `with opt.accumulating():` (run every micro-batch but the last inside "
+                f"it), or a parameter with a second gradient in one backward (e.g. shared by two reentrant "
+                f"checkpointed regions); that step cannot be undone. Otherwise train with "
+                f"OffloadConfig(overlap_step=False)")
         self.events.emit("gradient_open", gid)
         early = self._early.pop(gid, None)
         if early is not None:  # fresh: nothing can have been accumulated since it was opened
@@ -215,7 +220,8 @@ class GradPartitions:
         for gid, sq in self.sq.items():
             if sq is None and gid in self.stepped:
                 raise MisuseError(f"the gradient of sub-group {gid} was stepped during backward before its norm "
-                                  f"was taken (OffloadConfig(overlap_step=True)); use clip_mode='previous_norm'")
+                                  f"was taken ({OVERLAPPED}); use clip_mode='previous_norm', or "
+                                  f"OffloadConfig(overlap_step=False)")
             if sq is None and self.memory:
                 with self.store.tensor(keys.grad(gid)).resident(self.tier) as part:
                     sq = self.sq[gid] = _sum_squares(part)

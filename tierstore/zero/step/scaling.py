@@ -25,7 +25,7 @@ import torch
 from ...errors import MisuseError, TierstoreValueError
 from .. import _dist
 from ..hooks.events import HookEvents
-from .grad_partitions import GradPartitions
+from .grad_partitions import OVERLAPPED, GradPartitions
 
 log = logging.getLogger("tierstore.zero")
 
@@ -76,6 +76,8 @@ class GradScaling(HookEvents):
         self.scaler = LossScaler(fp16, config.initial_loss_scale, config.loss_scale_window, config.min_loss_scale)
         self.clip_coef = 1.0
         self.clipped = False  # clip_grad_norm_ called since the last step (then config.gradient_clipping waits)
+        self.touched = False  # some clip (by norm or by value) since the last step ([Note: the overlapped step by
+        # default] in overlap.py)
         self._next_clip: tuple[float, float] | None = None  # clip_mode="previous_norm": (max_norm, norm) of the
         self._prev_clip: tuple[float, float] | None = None  # last clip_grad_norm_; ... of the one before this step
         # norms read at every step: the fp16 overflow check, clipping with the previous norm
@@ -101,11 +103,12 @@ class GradScaling(HookEvents):
         if float(norm_type) != 2.0:
             raise TierstoreValueError(f"norm_type={norm_type}: only the L2 norm (2.0) is supported")
         previous = self.config.clip_mode == "previous_norm"
+        self.touched = True
         if self.overlap_spent() and not previous:
-            raise MisuseError("clip_grad_norm_ after a backward that already stepped sub-groups "
-                              "(OffloadConfig(overlap_step=True)): their step cannot be clipped any more. Use "
-                              "OffloadConfig(clip_mode='previous_norm') to clip overlapped steps with the previous "
-                              "step's norm, or overlap_step=False for exact clipping")
+            raise MisuseError(f"clip_grad_norm_ after a backward that already stepped sub-groups ({OVERLAPPED}): "
+                              "their step cannot be clipped any more. Use OffloadConfig(clip_mode='previous_norm') "
+                              "to clip overlapped steps with the previous step's norm, or overlap_step=False for "
+                              "exact clipping")
         sq, overflow = self.global_grad_stats()
         total = math.sqrt(sq) / self.scaler.scale * self.clip_coef
         if overflow:
@@ -122,6 +125,7 @@ class GradScaling(HookEvents):
         return norm
 
     def clip_with_norm(self, max_norm: float, total: float) -> None:
+        self.touched = True
         if self.config.clip_mode == "previous_norm":  # [Note: overlapped step] in overlap.py
             self._next_clip = (max_norm, total)
         elif math.isfinite(total):
@@ -130,10 +134,10 @@ class GradScaling(HookEvents):
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
         """Zero3Optimizer.clip_grad_value_."""
+        self.touched = True
         if self.overlap_spent():
-            raise MisuseError("clip_grad_value_ after a backward that already stepped sub-groups "
-                              "(OffloadConfig(overlap_step=True)): their gradients are spent. Use overlap_step=False "
-                              "to clip by value")
+            raise MisuseError(f"clip_grad_value_ after a backward that already stepped sub-groups ({OVERLAPPED}): "
+                              "their gradients are spent. Use OffloadConfig(overlap_step=False) to clip by value")
         self.grads.clamp_(float(clip_value) * self.scaler.scale / self.clip_coef)
 
     def step_coef(self) -> float:
@@ -160,7 +164,7 @@ class GradScaling(HookEvents):
         self.scaler.update(False)
         self.clip_coef = 1.0
         self._prev_clip, self._next_clip = self._next_clip, None
-        self.clipped = False
+        self.clipped = self.touched = False
 
     def zero_grad(self) -> None:
         self.clip_coef = 1.0
