@@ -232,8 +232,9 @@ def test_recycled_result_memory_stays_within_the_budget_while_offloaded(tmp_path
 
 def _mapped_during_forwards(root: str) -> dict:
     """In a fresh process: the most result memory mapped at once (lent out + kept idle) over two forwards of Deep()
-    (12 x 1 MiB layers) offloaded to nvme with a 3 MiB budget, sampled before every layer runs."""
-    from tierstore.tiers.host import RESULTS
+    (12 x 1 MiB layers) offloaded to nvme with a 3 MiB budget, sampled before every layer runs, and while 2 MiB
+    of other results are held after them."""
+    from tierstore.tiers.host import RESULTS, result_empty
 
     torch.manual_seed(0)
     m = Deep(layers=12, width=512)
@@ -248,6 +249,9 @@ def _mapped_during_forwards(root: str) -> dict:
         for _ in range(3):
             m(x)
             sample()
+    held = [result_empty(1 << 20) for _ in range(2)]  # another size than the buckets': new mappings
+    sample()
+    del held
     for h in hooks:
         h.remove()
     off.close()
@@ -259,7 +263,7 @@ def test_result_memory_lent_and_idle_together_stay_within_the_budget(tmp_path):
     lent out (the weights held and the reads in flight), so the two together never pass the budget."""
     r = run_isolated(_mapped_during_forwards, str(tmp_path), timeout=120)
     assert r["weights"] >= 4 * (3 << 20)
-    assert 2 << 20 <= r["most"] <= 3 << 20, r
+    assert 2 << 20 <= r["most"] <= (3 << 20) + 3 * 4096, r  # each of <= 3 buckets' mappings rounded up to a page
 
 
 def test_the_offloads_store_pins_few_buffers_whatever_the_budget(tmp_path):
@@ -327,12 +331,12 @@ def test_each_forward_returns_the_heaps_free_pages(tmp_path, monkeypatch):
         assert len(calls) == off.stats().forwards == 3
 
 
-def test_bench_budget_is_four_of_the_largest_linear_within_a_quarter_of_the_weights():
+def test_bench_budget_is_a_quarter_of_the_weights_within_128_mib_and_four_linears():
     from tierstore.bench.inference import default_budget
     mib = 1 << 20
-    assert default_budget(1155 * mib, 16 * mib) == 64 * mib  # GPT-2 300M: 24 x 1024
-    assert default_budget(60 * mib, 5 * mib) == 15 * mib  # a small model: a quarter of its weights
-    assert default_budget(16 * mib, 5 * mib) == 11 * mib  # never below twice the largest module
+    assert default_budget(1155 * mib, 16 * mib) == 128 * mib  # GPT-2 300M: 24 x 1024
+    assert default_budget(200 * mib, 5 * mib) == 50 * mib  # a quarter of the weights
+    assert default_budget(40 * mib, 5 * mib) == 20 * mib  # never below four of the largest Linear
 
 
 def test_backward_reaches_the_inputs_not_the_parameters(tmp_path):

@@ -40,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=16, help="tokens generated per timed step (default 16)")
     p.add_argument("--rounds", type=int, default=3, help="timed steps per case, alternated A B A B (default 3)")
     p.add_argument("--budget", type=size_arg, default=None,
-                   help="budget_bytes of the tierstore cases (default: four of the largest Linear's weights, at "
-                        "most a quarter of the fp32 weights)")
+                   help="budget_bytes of the tierstore cases (default: a quarter of the fp32 weights, at most "
+                        "128 MiB, at least four of the largest Linear's weights)")
     p.add_argument("--mem-limit", type=size_arg, default=None,
                    help="memory limit (RSS + page cache) of every case keeping its weights on the disk (default: "
                         "the largest baseline RSS of those processes + the budget + the store's staging + 64 MiB)")
@@ -84,10 +84,10 @@ def _prepare(args, root: str, cases: list[str]) -> tuple[str, int, int]:
 
 
 def default_budget(weight_bytes: int, linear_bytes: int) -> int:
-    """The tierstore cases' budget_bytes: four of the largest Linear's weights (one running, the next, two read
-    ahead: on this machine's disk as fast as more, at accelerate's RSS), at most a quarter of the weights, and
-    never below the offload's floor of twice the largest module."""
-    return max(min(4 * linear_bytes, weight_bytes // 4), 2 * linear_bytes + (1 << 20))
+    """The tierstore cases' budget_bytes: a quarter of the fp32 weights, at most 128 MiB, at least four of the
+    largest Linear's weights. On this machine's disk half of that (four Linears at 300M) read a third slower per
+    token: the reads in flight it leaves do not keep the disk busy (docs/inference.md)."""
+    return max(min(weight_bytes // 4, 128 << 20), 4 * linear_bytes)
 
 
 def limited(case: str) -> bool:

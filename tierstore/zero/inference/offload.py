@@ -43,9 +43,10 @@ memory follows the budget, not the model:
   them) and its engine the fewest bounce buffers (io_uring pins them once registered: 32 MiB by default);
 - each forward's end returns the heap's free pages (heap.trim: the activations and KV cache freed in it),
   so RSS does not keep the heap's high-water mark token after token;
-- the reads ahead run on READ_WORKERS (8) threads, so that a small budget's few large buckets and the small
-  ones between them are in flight at once: on this machine's disk a budget of four of the largest Linear
-  read as fast as twice that (docs/inference.md).
+- the reads ahead run on READ_WORKERS (8) threads, so that every bucket the budget leaves room for, large
+  and small, is in flight at once (measured: 4 threads left the disk idler, docs/inference.md). The budget
+  itself trades memory for reads in flight: on this machine's disk half of 128 MiB (four of the largest
+  Linear of a 1024-wide GPT-2) read a third slower per token.
 
 [Note: filling the weight store]
 The store is filled one bucket at a time: each parameter's elements come from its zero.Init handle (whose
