@@ -102,7 +102,7 @@ class Store:
                  queue_depth: int = 32, extent_file_bytes: int = 16 << 30, stripe_unit: int = 1 << 20,
                  workers: int = 2, lock_memory: bool = True, io_tuning: str | os.PathLike | Tuning | None = None,
                  _must_exist: bool = False, _read_only: bool = False,
-                 _fresh: bool = False, **deprecated: Any):
+                 _fresh: bool = False, _bounce_bytes: int = 32 << 20, **deprecated: Any):
         self._closed = True  # until fully open
         self._read_only = _read_only
         self._lockfds: list[int] = []
@@ -128,7 +128,9 @@ class Store:
             pinned = limits["pinned"]
             assert pinned is not None  # store_budgets refuses None for the pool
             self._pool = BufferPool(pinned, buffer_bytes, lock=lock_memory)
-            self._engine = Engine(backend, queue_depth, block_size, pool=self._pool)
+            # _bounce_bytes: the engine's bounce buffers, resident once registered with io_uring; a store whose
+            # reads and writes are aligned or go through its pool needs few ([Note: the inference budget])
+            self._engine = Engine(backend, queue_depth, block_size, pool=self._pool, bounce_bytes=_bounce_bytes)
             self._device = DeviceTier(limits[DeviceTier.name], device)
             self._host = HostTier(limits[HostTier.name], lock=lock_memory)
             if not _read_only:
@@ -414,7 +416,8 @@ class Store:
     def stats(self) -> dict:
         """Bytes and seconds moved into ('in') and out of ('out') each tier, budgets, tensor counts; under 'io'
         the I/O knobs the store runs with (after io_tuning): backend, queue_depth, block_size, buffer_bytes,
-        pinned_bytes (the pool: budgets['pinned']), stripe_unit, workers."""
+        pinned_bytes (the pool: budgets['pinned']), bounce_bytes (the engine's bounce buffers), stripe_unit,
+        workers."""
         with self._res.lock:
             out: dict[str, Any] = {}
             for t in TIERS:
@@ -429,9 +432,11 @@ class Store:
             out["flush_seconds"] = self._flush_seconds
             out["pool_waits"] = self._pool.waits
             out["backend"] = self._engine.backend
+            eng = self._engine.stats()
             out["io"] = {"backend": self._engine.backend, "queue_depth": self._engine.queue_depth,  # the knobs
                          "block_size": self._engine.block_size, "buffer_bytes": self._pool.buffer_bytes,
                          "pinned_bytes": self._pool.nbytes, "stripe_unit": self._nvme.stripe_unit,
+                         "bounce_bytes": eng["bounce_buffers"] * eng["bounce_buffer_bytes"],
                          "workers": self._workers}
             return out
 

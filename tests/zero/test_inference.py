@@ -230,6 +230,115 @@ def test_recycled_result_memory_stays_within_the_budget_while_offloaded(tmp_path
     assert r["closed"] >= 8 << 20, r  # the limit is lifted with the offload
 
 
+def _mapped_during_forwards(root: str) -> dict:
+    """In a fresh process: the most result memory mapped at once (lent out + kept idle) over two forwards of Deep()
+    (12 x 1 MiB layers) offloaded to nvme with a 3 MiB budget, sampled before every layer runs, and while 2 MiB
+    of other results are held after them."""
+    from tierstore.tiers.host import RESULTS, result_empty
+
+    torch.manual_seed(0)
+    m = Deep(layers=12, width=512)
+    x = torch.randn(4, 512)
+    most = [0]
+
+    def sample(*_a) -> None:
+        most[0] = max(most[0], RESULTS.idle() + RESULTS.lent_bytes)
+    off = offload_for_inference(m, nvme_path=pathlib.Path(root) / "w", budget_bytes=3 << 20)
+    hooks = [mod.register_forward_pre_hook(sample) for mod in m.modules()]
+    with torch.no_grad():
+        for _ in range(3):
+            m(x)
+            sample()
+    held = [result_empty(1 << 20) for _ in range(2)]  # another size than the buckets': new mappings
+    sample()
+    del held
+    for h in hooks:
+        h.remove()
+    off.close()
+    return {"most": most[0], "weights": off.stats().weight_bytes}
+
+
+def test_result_memory_lent_and_idle_together_stay_within_the_budget(tmp_path):
+    """[Note: the inference budget]: the pool keeps idle only what the budget leaves beside the result memory
+    lent out (the weights held and the reads in flight), so the two together never pass the budget."""
+    r = run_isolated(_mapped_during_forwards, str(tmp_path), timeout=120)
+    assert r["weights"] >= 4 * (3 << 20)
+    assert 2 << 20 <= r["most"] <= (3 << 20) + 3 * 4096, r  # each of <= 3 buckets' mappings rounded up to a page
+
+
+def test_the_offloads_store_pins_few_buffers_whatever_the_budget(tmp_path):
+    """[Note: the inference budget]: buckets are read with O_DIRECT straight into result memory, so the store's
+    page-locked staging is two buffers and its engine's bounce buffers (resident once registered) the fewest."""
+    from tierstore.zero.inference.offload import STAGING_BYTES, staging_bytes
+    m = Deep(layers=4, width=256)
+    for budget in (4 << 20, 256 << 20):
+        assert staging_bytes(budget) == STAGING_BYTES == 8 << 20
+        with offload_for_inference(m if budget == 4 << 20 else Deep(layers=4, width=256), nvme_path=tmp_path,
+                                   budget_bytes=budget) as off:
+            io = off.store.stats()["io"]
+            assert io["pinned_bytes"] == STAGING_BYTES
+            assert 0 < io["bounce_bytes"] <= 2 * ((1 << 20) + 4096), io
+
+
+def test_reads_ahead_run_on_more_threads_than_trainings(tmp_path):
+    """[Note: reading ahead by bytes] in hooks/prefetch.py: with room in the budget for many buckets ahead,
+    offloaded inference has READ_WORKERS (8) reads in flight at once, more than training's 4."""
+    import threading
+    import time
+
+    from tierstore.zero.hooks.prefetch import READ_WORKERS as TRAINING_WORKERS
+    from tierstore.zero.inference.offload import READ_WORKERS
+    assert READ_WORKERS == 8 > TRAINING_WORKERS
+    torch.manual_seed(0)
+    m = Deep(layers=24, width=256)  # 24 buckets of 257 KiB (a budget of 4 MiB packs 256 KiB at most)
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        ref = m(x)
+    with offload_for_inference(m, nvme_path=tmp_path, budget_bytes=4 << 20) as off:
+        with torch.no_grad():
+            m(x)  # the trace
+        pf = off.coordinator.prefetcher
+        fetch, lock, now, most = pf.fetch_shard, threading.Lock(), [0], [0]
+
+        def slow(gid):  # a slow disk: each read takes 20 ms, so what is in flight at once shows
+            with lock:
+                now[0] += 1
+                most[0] = max(most[0], now[0])
+            try:
+                time.sleep(0.02)
+                return fetch(gid)
+            finally:
+                with lock:
+                    now[0] -= 1
+        pf.fetch_shard = slow
+        with torch.no_grad():
+            out = m(x)
+    assert torch.equal(out, ref)
+    assert most[0] == READ_WORKERS, most
+
+
+def test_each_forward_returns_the_heaps_free_pages(tmp_path, monkeypatch):
+    """[Note: the inference budget]: the activations and the KV cache freed in a forward go back to the system
+    when it ends (malloc_trim), so the process's RSS does not keep the heap's high-water mark token after
+    token."""
+    from tierstore.zero import heap
+    calls = []
+    monkeypatch.setattr(heap, "trim", lambda: calls.append(1))
+    torch.manual_seed(0)
+    m = _gpt2().eval()
+    with offload_for_inference(m, nvme_path=tmp_path, budget_bytes=_budget(m)) as off:
+        m.generate(IDS, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert len(calls) == off.stats().forwards == 3
+
+
+def test_bench_budget_is_a_quarter_of_the_weights_within_128_mib_and_four_linears():
+    from tierstore.bench.inference import default_budget
+    mib = 1 << 20
+    assert default_budget(1155 * mib, 16 * mib) == 128 * mib  # GPT-2 300M: 24 x 1024
+    assert default_budget(200 * mib, 5 * mib) == 50 * mib  # a quarter of the weights
+    assert default_budget(40 * mib, 5 * mib) == 20 * mib  # never below four of the largest Linear
+
+
 def test_backward_reaches_the_inputs_not_the_parameters(tmp_path):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))

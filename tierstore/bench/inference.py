@@ -83,6 +83,13 @@ def _prepare(args, root: str, cases: list[str]) -> tuple[str, int, int]:
     return path, nparams, 16 * width * width  # bytes of the largest Linear (the MLP's, 4 x width^2 in fp32)
 
 
+def default_budget(weight_bytes: int, linear_bytes: int) -> int:
+    """The tierstore cases' budget_bytes: a quarter of the fp32 weights, at most 128 MiB, at least four of the
+    largest Linear's weights. On this machine's disk half of that (four Linears at 300M) read a third slower per
+    token: the reads in flight it leaves do not keep the disk busy (docs/inference.md)."""
+    return max(min(weight_bytes // 4, 128 << 20), 4 * linear_bytes)
+
+
 def limited(case: str) -> bool:
     """Whether `case` keeps its weights on the disk (and so runs under the memory limit)."""
     return case == "accelerate" or TIERSTORE_CASES.get(case, ("", None))[0] == "nvme"
@@ -103,7 +110,7 @@ def run(args) -> int:
           f"({args.params / 1e6:.0f}M parameters, {args.train_steps} training steps) ...", flush=True)
     model_dir, nparams, linear_bytes = _prepare(args, root, cases)
     weight_bytes = nparams * 4
-    budget = args.budget or max(min(weight_bytes // 4, 128 << 20), 4 * linear_bytes)
+    budget = args.budget or default_budget(weight_bytes, linear_bytes)
     spec = {"model_dir": model_dir, "dir": root, "threads": args.threads, "budget": budget, "tokens": args.tokens,
             "prompt": 64, "context": CONTEXT, "ppl_windows": args.ppl_windows, "text_bytes": 1 << 20,
             "acc_dir": os.path.join(root, "accelerate-weights")}
@@ -130,7 +137,7 @@ def run(args) -> int:
             ready[c] = w.ask(None, 1800)
         base = max((ready[c]["rss_base"] for c in cases if limited(c)), default=0)
         limit = args.mem_limit or base + budget + staging_bytes(budget) + (64 << 20)
-        mode = _apply_limit(cases, groups, why_not, limit, root, base, budget)
+        mode = _apply_limit(cases, groups, why_not, limit, root, base, budget, args.mem_limit is not None)
         print(mode, flush=True)
         for _ in range(args.rounds):
             for c in cases:
@@ -165,7 +172,7 @@ def run(args) -> int:
     return 0
 
 
-def _apply_limit(cases, groups, why_not, limit, root, base, budget) -> str:
+def _apply_limit(cases, groups, why_not, limit, root, base, budget, given=False) -> str:
     """Drop the files' cached pages, set the limit on every group; the line saying how memory was made equal."""
     from ..zero.inference.offload import staging_bytes
     drop_files(root)  # pages cached while preparing are charged to this process: the cases must read them anew
@@ -181,9 +188,10 @@ def _apply_limit(cases, groups, why_not, limit, root, base, budget) -> str:
         if err:
             raise SystemExit(f"case {c}: {err}; pass a larger --mem-limit")
         groups[c].reset_peak()
-    return (f"memory: {', '.join(on)} each in a cgroup limited to {fmt_bytes(limit)} (RSS + page cache) = baseline "
-            f"RSS {fmt_bytes(base)} + budget {fmt_bytes(budget)} + staging {fmt_bytes(staging_bytes(budget))} + "
-            f"64 MiB headroom; the others hold the model in RAM and run without a limit")
+    what = "--mem-limit" if given else (f"baseline RSS {fmt_bytes(base)} + budget {fmt_bytes(budget)} + staging "
+                                        f"{fmt_bytes(staging_bytes(budget))} + 64 MiB headroom")
+    return (f"memory: {', '.join(on)} each in a cgroup limited to {fmt_bytes(limit)} (RSS + page cache) = {what}; "
+            f"the others hold the model in RAM and run without a limit")
 
 
 def _summarize(cases, samples, ready, final, raw, tokens) -> dict[str, dict]:

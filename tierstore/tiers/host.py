@@ -136,12 +136,14 @@ class ResultPool:
 
     def __init__(self, idle_limit: int):
         self.idle_limit = idle_limit  # bytes
-        self._caps: list[int] = []  # tighter limits in force (limit_idle), the smallest holds
+        # tighter limits in force (limit_idle): bytes, or functions giving them now; the smallest holds
+        self._caps: list[int | Callable[[], int]] = []
         self._lock = threading.Lock()
         self._back: deque[mmap.mmap] = deque()  # given back, not yet sorted (appended by finalizers)
         self._idle: OrderedDict[int, mmap.mmap] = OrderedDict()  # id -> mapping, oldest first
         self._by_size: dict[int, list[int]] = {}  # bytes -> ids of idle mappings of that size
         self.idle_bytes = 0
+        self.lent_bytes = 0  # bytes of mappings handed out and not yet filed back (in use, or given back just now)
         self.reused = 0  # results served from a recycled mapping
         self.mapped = 0  # results that needed a new mapping
 
@@ -158,24 +160,30 @@ class ResultPool:
                 self.reused += 1
             else:
                 self.mapped += 1
+                self._trim(max(0, self._cap() - size))  # the new mapping counts against the limits too
+            self.lent_bytes += size
         if mm is None:
             mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         arr = numpy.frombuffer(mm, dtype=numpy.uint8, count=nbytes)
         weakref.finalize(arr, _give_back, weakref.ref(self), mm).atexit = False
         return torch.from_numpy(arr)
 
-    def limit_idle(self, nbytes: int) -> Callable[[], None]:
+    def limit_idle(self, nbytes: int | Callable[[], int]) -> Callable[[], None]:
         """Keep at most `nbytes` idle (with idle_limit and any other limit in force, the smallest holds) until the
         returned function is called: a user of result memory whose own budget must bound the process's resident
-        memory (offloaded inference: [Note: the inference budget] in zero/inference/offload.py)."""
+        memory (offloaded inference: [Note: the inference budget] in zero/inference/offload.py). A function is
+        asked, under the pool's lock, each time mappings are filed or mapped: e.g. a budget less ``lent_bytes``,
+        so that what is lent and what is idle together stay within the budget."""
         with self._lock:
             self._caps.append(nbytes)
             self._sort_back()
 
         def lift() -> None:
             with self._lock:
-                if nbytes in self._caps:
-                    self._caps.remove(nbytes)
+                for i, c in enumerate(self._caps):
+                    if c is nbytes:
+                        del self._caps[i]
+                        break
         return lift
 
     def idle(self) -> int:
@@ -206,7 +214,12 @@ class ResultPool:
             self._idle[id(mm)] = mm
             self._by_size.setdefault(len(mm), []).append(id(mm))
             self.idle_bytes += len(mm)
-        self._trim(min([self.idle_limit, *self._caps]))
+            self.lent_bytes -= len(mm)
+        self._trim(self._cap())
+
+    def _cap(self) -> int:
+        """Under the lock: the most bytes to keep idle now."""
+        return max(0, min([self.idle_limit, *(c() if callable(c) else c for c in self._caps)]))
 
     def _trim(self, keep: int) -> None:
         while self.idle_bytes > keep:

@@ -38,6 +38,16 @@ def _load_trim():
 _malloc_trim = _load_trim()
 
 
+def trim() -> None:
+    """Return the heap's free pages to the system now (a program's steady loop: once per forward of an offloaded
+    model, [Note: the inference budget] in zero/inference/offload.py)."""
+    global _dropped
+    if _malloc_trim is not None:
+        with _lock:
+            _dropped = 0
+        _malloc_trim(0)
+
+
 def dropped(nbytes: int) -> None:
     """`nbytes` of tensors were just freed; return the heap's free pages to the system once ``TRIM_EVERY``
     bytes were ([Note: freed weights go back to the system])."""

@@ -71,7 +71,7 @@ from .events import Subscribers, Subscription
 from .finals import FinalAgreement
 from .gradient_reducer import GradientReducer, PartitionSink
 from .linear import keep_linear_params
-from .prefetch import Prefetcher, Trace
+from .prefetch import READ_WORKERS, Prefetcher, Trace
 from .turn import TurnPlan
 
 
@@ -117,7 +117,7 @@ class ParamCoordinator:
                  fetch_shard: Callable[[int], torch.Tensor], grad_sink: PartitionSink, *,
                  device: torch.device, group=None, quantized_weights: bool = False,
                  quantized_gradients: bool = False, intra_node_size: int | None = None, prefetch_depth: int = 0,
-                 prefetch_bytes: int = 0,
+                 prefetch_bytes: int = 0, read_workers: int = READ_WORKERS,
                  reuse_bytes: int = 0,
                  lend_shard: Callable[[int], tuple[torch.Tensor, Callable[[], None]] | None] | None = None,
                  events: Subscribers | None = None):
@@ -156,7 +156,7 @@ class ParamCoordinator:
         self.prefetcher = Prefetcher(layout, fetch_shard,
                                      lambda gid: gid in self.residency.protocol or self._lent.get(gid, False),
                                      device=device, group=group, quantized=quantized_weights, depth=prefetch_depth,
-                                     read_bytes=prefetch_bytes)
+                                     read_bytes=prefetch_bytes, read_workers=read_workers)
         # -- counters (tests, diagnostics; read them through stats()); the prefetcher keeps its own
         self.gathers_on_demand = 0  # all-gathers issued when a module needed the bucket (not posted ahead)
         self.prefetch_hits_backward = 0

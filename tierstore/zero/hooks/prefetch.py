@@ -38,8 +38,9 @@ A depth in modules fits layers of tens of MiB. For small ones (a 1024-wide Linea
 ahead is two requests in flight, too few to keep a disk busy. So beyond the depth the read stage
 goes on to further modules while the shards read ahead and not yet used add up to at most `read_bytes`
 (OffloadConfig.prefetch_bytes), looking at most READ_AHEAD_MAX modules past the depth, and the reads run
-on READ_WORKERS threads, so that several are in flight at once. Everything read beyond the depth is bounded
-by `read_bytes` of memory; what the trace predicted wrongly is dropped at the forward's end as before.
+on READ_WORKERS threads (offloaded inference: ``read_workers``, more), so that several are in flight at once.
+Everything read beyond the depth is bounded by `read_bytes` of memory; what the trace predicted wrongly is
+dropped at the forward's end as before.
 
 [Note: prefetch after the step]
 The first modules of a forward have nothing before them to hide their reads behind: without help the
@@ -179,7 +180,8 @@ class Prefetcher:
     protocol view, the same on every rank)."""
 
     def __init__(self, layout, fetch_shard: Callable[[int], torch.Tensor], held: Callable[[int], bool], *,
-                 device: torch.device, group=None, quantized: bool = False, depth: int = 0, read_bytes: int = 0):
+                 device: torch.device, group=None, quantized: bool = False, depth: int = 0, read_bytes: int = 0,
+                 read_workers: int = READ_WORKERS):
         self.layout = layout
         self.fetch_shard = fetch_shard
         self.held = held
@@ -192,7 +194,7 @@ class Prefetcher:
         self._prefetched: dict[int, Future] = {}  # gid -> read (and staged) shard
         self._ahead_bytes = 0  # bytes of the shards in _prefetched
         self._pending: dict[int, _dist.Gathering] = {}  # gid -> all-gather posted ahead
-        self._executor = ThreadPoolExecutor(READ_WORKERS if self.read_bytes else 1,
+        self._executor = ThreadPoolExecutor(read_workers if self.read_bytes else 1,
                                             thread_name_prefix="tierstore-prefetch") if depth else None
         # where a gather gets its bytes when not from this rank's shard through `group`: hpZ's secondary
         # partition (a Secondary of hpz.py, set by it; [Note: hpZ] there), or None
