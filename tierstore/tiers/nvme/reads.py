@@ -5,7 +5,8 @@ Small extents (<= half a pool buffer) are sorted by place and coalesced into buf
 (neighbours at most 64 KiB apart) through pool buffers, then copied out. Larger extents are read in
 buffer-sized chunks, many in flight (across tensors too): straight into `out` with O_DIRECT when it
 is 4 KiB aligned and not a get() result's ([Note: results are read through the pool]), else through pool
-buffers with the copy of chunk k overlapping the reads of the chunks after it. Each chunk's crc32c is folded in as it completes, in order.
+buffers with the copy of chunk k overlapping the reads of the chunks after it. Each chunk's crc32c is
+folded in as it completes, in order.
 
 [Note: range reads]
 A read of byte ranges of one extent (read_ranges; Store.get(name, rows=...)) reads the CRC_BLOCK blocks covering
