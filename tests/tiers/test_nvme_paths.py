@@ -254,3 +254,47 @@ def test_lend_is_called_when_put_refuses(tmp_path):
             assert lend.calls == 1
         with pytest.raises(TierstoreValueError, match="lend"):
             s.put("x", x, "nvme", lend=3)
+
+
+def test_a_get_result_is_read_through_the_pool_and_aligned_memory_of_the_callers_straight_into(tmp_path,
+                                                                                                monkeypatch):
+    """[Note: results are read through the pool]: a get() result (RESULTS holds it) is read into pool buffers
+    and copied out; an aligned out= of the caller's (not a result) is read straight into, no pool buffer."""
+    x = torch.randn((24 * MiB + 4096) // 4)
+    with Store(str(tmp_path / "s"), **opts()) as s:
+        s.put("x", x, "nvme")
+        s.flush()
+        seen: list[int] = []  # addresses the store's engine reads into
+        real = s._engine.read  # private: a spy on the store's engine, to see which memory each read lands in
+
+        def read(f, buf, offset=0):
+            seen.append(buf.data_ptr())
+            return real(f, buf, offset)
+
+        monkeypatch.setattr(s._engine, "read", read)
+        pool_lo = s._pool.base_addr  # private: where the store's pool buffers lie
+        pool_hi = pool_lo + s._pool.nbytes
+        got = s.get("x")
+        assert torch.equal(got, x) and got.data_ptr() % ALIGN == 0
+        assert seen and all(pool_lo <= a < pool_hi for a in seen)  # every chunk through a pool buffer
+        nbytes = x.numel() * 4
+        assert not any(got.data_ptr() <= a < got.data_ptr() + nbytes for a in seen)
+        seen.clear()
+        mine = aligned_values(nbytes, 9)
+        assert s.get("x", out=mine.view(torch.float32)) is not None and torch.equal(mine, x)
+        assert seen and all(mine.data_ptr() <= a < mine.data_ptr() + nbytes for a in seen)  # straight into it
+
+
+def test_results_pool_holds_only_results_in_use():
+    from tierstore.tiers.host import ResultPool
+
+    pool = ResultPool(idle_limit=64 * MiB)
+    t = pool.empty(3 * MiB)
+    addr = t.data_ptr()
+    assert pool.holds(addr)
+    assert not pool.holds(addr + ALIGN) and not pool.holds(aligned_empty(MiB, lock=False).data_ptr())
+    del t
+    pool.trim(64 * MiB)  # files what was given back
+    assert not pool.holds(addr)
+    again = pool.empty(3 * MiB)
+    assert again.data_ptr() == addr and pool.holds(addr)  # handed out again: a result again

@@ -10,9 +10,10 @@ For I/O engineers, the same run also measures, ours and fio's alternated: the la
 at queue depth 1 (p50, p99), random 4 KiB IOPS at queue depth 32 (read and write), CPU seconds per GiB moved
 (the process's user+system time for ours, fio's own usr+sys figure for fio), and a read and a write of two
 files at once (mixed). Every case reports the spread of its rounds ((max - min) / median); every fio command
-line is printed and kept in the JSON. Then the memory paths a user meets: the engine with an ordinary torch
-tensor vs a pool buffer, Store put+flush vs the engine's write, get() into fresh memory vs get(out=).
-A one-round run (--quick) labels its ratios as indicative.
+line is printed and kept in the JSON. Then the memory paths a user meets (io_paths.py; alone with --only
+paths): the engine with an ordinary torch tensor vs a pool buffer, Store put+flush of one vs the engine's
+write, get() into a fresh result vs the engine's read, each ratio with its verdict. A one-round run (--quick)
+labels its ratios as indicative.
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from collections.abc import Callable
 from ._common import Progress, fmt_bytes, gib_s, interleave, print_table, ratio, size_arg, write_json
 from ._ds_aio_case import DeepSpeedAio
 from .io_cases import (
-    PATH_PAIRS,
     CpuClock,
     Ours,
     fio_cmd,
@@ -35,12 +35,13 @@ from .io_cases import (
     fio_wall_cmd,
     layout,
     mixed_workload,
-    paths_workload,
     rand_info,
     random_workload,
     small_sizes,
     small_workload,
 )
+from .io_paths import paths_workload, report_paths, run_paths
+from .verdict import Load
 
 
 def add_arguments(p) -> None:
@@ -54,6 +55,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed aio reference")
     p.add_argument("--random-count", type=int, default=16384, help="random 4 KiB requests per IOPS case")
     p.add_argument("--latency-count", type=int, default=2000, help="random 4 KiB reads at qd 1 for the latencies")
+    p.add_argument("--only", choices=["paths"], help="run one part: 'paths', the memory paths a user meets")
+    p.add_argument("--paths-size", type=size_arg, default=None, help="bytes of the memory-path cases (default: "
+                                                                      "--size, at most 1G)")
     p.add_argument("--quick", action="store_true", help="one round, 1 MiB blocks at qd 32, fewer small and random "
                                                         "requests; its ratios are indicative")
 
@@ -64,6 +68,26 @@ def spread(samples) -> str:
     """(max - min) / median of a case's rounds, '-' with one round."""
     t = samples.seconds
     return "-" if len(t) < 2 else f"{(max(t) - min(t)) / samples.median:.0%}"
+
+
+def run_only_paths(args, rounds: int, indicative: str) -> int:
+    """`--only paths`: the memory-path cases alone (io_paths.py)."""
+    os.makedirs(args.dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="io-", dir=args.dir)
+    cpu, load = CpuClock(), Load()
+    closers: list[Callable[[], object]] = []
+    try:
+        pcases = paths_workload(work, args.paths_size or args.size, closers)
+        with Progress(rounds * len(pcases), "bench io paths") as prog:
+            paths = run_paths({k: cpu.wrap(k, fn) for k, fn in pcases.items()}, rounds, load, prog)
+    finally:
+        for c in closers:
+            c()
+        shutil.rmtree(work, ignore_errors=True)
+    res = report_paths(paths, pcases.nbytes, load, cpu.seconds, pcases.bounced, indicative)
+    write_json(args.json, {"benchmark": "io", "only": "paths", "size": pcases.nbytes, "rounds": rounds,
+                           "load": load.as_dict(), "paths": res})
+    return 0
 
 
 def run(args) -> int:
@@ -79,6 +103,8 @@ def run(args) -> int:
         bss, qds, rounds, small_count = [1 << 20], [32], 1, min(small_count, 2000)
         nrand, nlat = min(nrand, 4096), min(nlat, 500)
     indicative = " (indicative: 1 round)" if rounds < 2 else ""
+    if args.only == "paths":
+        return run_only_paths(args, rounds, indicative)
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="io-", dir=args.dir)
     size = args.size // (4 << 20) * (4 << 20) or (4 << 20)
@@ -110,6 +136,7 @@ def run(args) -> int:
     if ds is None and not args.no_deepspeed:
         notes.append(why)
     cpu = CpuClock()
+    load = Load()
     fio_cpu: dict[str, list[float]] = {}
     fio_extra: dict[str, list[dict]] = {}
     try:
@@ -158,9 +185,8 @@ def run(args) -> int:
             mix_jobs = [(seq_path, "read"), (mix_path, "write")]
             fio_cmds["fio/io_uring read+write"] = shlex.join(fio_wall_cmd(mix_jobs, "io_uring", 1 << 20, 32, size))
             mix_cases["fio/io_uring read+write"] = lambda: fio_wall(mix_jobs, "io_uring", 1 << 20, 32, size)
-        pcases = paths_workload(work, min(size, 1 << 30), closers)
-        pbytes = pcases.nbytes
-        path_cases: dict[str, Callable[[], float | None]] = {k: cpu.wrap(k, fn) for k, fn in pcases.items()}
+        pcases = paths_workload(work, args.paths_size or min(size, 1 << 30), closers)
+        path_cases: dict[str, Callable[[], float]] = {k: cpu.wrap(k, fn) for k, fn in pcases.items()}
         small_cases, small_info = small_workload(work, small_count, backends, ds)
         closers.extend(small_info.pop("closers"))
         total = rounds * (len(cases) + len(small_cases) + len(rand_cases) + len(mix_cases) + len(path_cases))
@@ -168,7 +194,7 @@ def run(args) -> int:
             seq: dict = interleave(cases, rounds, prog)
             rnd = interleave(rand_cases, rounds, prog)
             mix = interleave(mix_cases, rounds, prog)
-            paths = interleave(path_cases, rounds, prog)
+            paths = run_paths(path_cases, rounds, load, prog)
             small = interleave(small_cases, rounds, prog)
         for c in closers:
             c()
@@ -249,24 +275,7 @@ def run(args) -> int:
     print_table(f"mixed: read one {fmt_bytes(size)} file while writing another, 1 MiB at qd 32 (GiB/s, both)",
                 ["case", "GiB/s", "vs fio" + indicative, "spread", "CPU s/GiB"], mrows)
 
-    prow = []
-
-    def pcpu(case: str) -> float | None:  # CPU seconds per GiB of a memory-path case, median over rounds
-        got = cpu.seconds.get(case)
-        return statistics.median(got) / (pbytes / (1 << 30)) if got else None
-    for case, pref in PATH_PAIRS:
-        a, b = paths[case], paths[pref]
-        pr = b.median / a.median
-        results["paths"][case] = {"gib_s": gib_s(pbytes, a.median), "reference": pref, "ratio": pr,
-                                  "seconds": a.seconds, "reference_seconds": b.seconds,
-                                  "cpu_s_per_gib": pcpu(case), "reference_cpu_s_per_gib": pcpu(pref)}
-        prow.append((case, _g(gib_s(pbytes, a.median)), pref, _g(gib_s(pbytes, b.median)), f"{pr:.2f}x",
-                     spread(a), spread(b), _g(pcpu(case)), _g(pcpu(pref))))
-    print_table(f"memory paths, {fmt_bytes(pbytes)} (GiB/s, median of {rounds} rounds)",
-                ["case", "GiB/s", "reference", "GiB/s", "case/reference" + indicative, "spread", "ref spread",
-                 "CPU s/GiB", "ref CPU s/GiB"], prow,
-                caption="targets: plain tensor >= 0.9x pool buffer; put+flush >= 0.9x engine write; "
-                        "get() >= 0.7x get(out=)")
+    results["paths"] = report_paths(paths, pcases.nbytes, load, cpu.seconds, pcases.bounced, indicative)
 
     srows = []
     ref = small.get("deepspeed (file per tensor)")

@@ -1,6 +1,6 @@
 """The cases `tierstore bench io` times: our engine, fio and DeepSpeed's aio over the same bytes (sequential),
-and the workloads built from them -- random 4 KiB requests, a read and a write at once (mixed), the memory
-paths a user meets, and 20,000 small requests. io.py runs them A B A B and reports.
+and the workloads built from them -- random 4 KiB requests, a read and a write at once (mixed) and 20,000
+small requests (the memory paths a user meets: io_paths.py). io.py runs them A B A B and reports.
 """
 from __future__ import annotations
 
@@ -200,100 +200,6 @@ def mixed_workload(rpath: str, wpath: str, size: int, rbuf, wbuf, backends: list
             eng.wait_all()
         name = f"tierstore/{be} read+write"
         cases[name] = cpu.wrap(name, both)
-    return cases
-
-
-PATH_PAIRS = [("engine write, plain torch tensor", "engine write, pool buffer"),
-              ("engine read, plain torch tensor", "engine read, pool buffer"),
-              ("Store put+flush, aligned tensor", "engine write+fsync, same tensor"),
-              ("Store get(), fresh result", "Store get(out=)")]
-
-
-class _PathCases(dict):
-    nbytes = 0
-
-
-def paths_workload(work: str, nbytes: int, closers: list) -> _PathCases:
-    """The memory paths of PATH_PAIRS over `nbytes`: each case and its reference, alternated."""
-    import torch
-
-    from ..io import BufferPool, Engine
-    from ..store import Store
-    from ..tiers.host import aligned_empty
-    from ._common import drop_page_cache
-
-    pool = BufferPool(nbytes, nbytes, lock=False)
-    pbuf = pool.lease()
-    pbuf.tensor().fill_(7)
-    plain = torch.full((nbytes + 64,), 7, dtype=torch.uint8)[64:]  # an ordinary allocation, never 4 KiB aligned
-    if plain.data_ptr() % 4096 == 0:
-        plain = torch.full((nbytes + 128,), 7, dtype=torch.uint8)[128:]
-    aligned = aligned_empty(nbytes, lock=False)
-    aligned.fill_(9)
-    out = torch.zeros(nbytes, dtype=torch.uint8)
-    eng = Engine(pool=pool)
-    path = os.path.join(work, "paths.bin")
-    layout(path, nbytes)
-    f = eng.open(path, "r+")
-    sdir = os.path.join(work, "paths-store")
-
-    def ewrite(src):
-        def one():
-            t0 = time.perf_counter()
-            eng.write(f, src, 0)
-            eng.wait_all()
-            eng.fsync(f)
-            return time.perf_counter() - t0
-        return one
-
-    def eread(dst):
-        def one():
-            drop_page_cache([path])
-            t0 = time.perf_counter()
-            eng.read(f, dst, 0)
-            eng.wait_all()
-            return time.perf_counter() - t0
-        return one
-
-    def extent_files():
-        return [os.path.join(sdir, n) for n in os.listdir(sdir) if n.startswith("extents-")]
-
-    # A trainer puts the same names every step: each put goes to free space of the store's extent file that
-    # earlier versions used (copy-on-write), as the engine's reference overwrites its laid-out file.
-    with Store(sdir, budgets={"host": 0}) as s:
-        for _ in range(3):
-            s.put("x", aligned, "nvme")
-            s.flush()
-
-    def put():
-        with Store.open(sdir, budgets={"host": 0}) as s:
-            t0 = time.perf_counter()
-            s.put("x", aligned, "nvme")
-            s.flush()
-            return time.perf_counter() - t0
-
-    def get(into):
-        def one():
-            with Store.open(sdir, budgets={"host": 0}) as s:
-                drop_page_cache(extent_files())
-                t0 = time.perf_counter()
-                got = s.get("x", out=into)
-                dt = time.perf_counter() - t0
-            del got
-            return dt
-        return one
-
-    cases = _PathCases({"engine write, pool buffer": ewrite(pbuf), "engine write, plain torch tensor": ewrite(plain),
-                        "engine read, pool buffer": eread(pbuf), "engine read, plain torch tensor": eread(plain),
-                        "engine write+fsync, same tensor": ewrite(aligned), "Store put+flush, aligned tensor": put,
-                        "Store get(out=)": get(out), "Store get(), fresh result": get(None)})
-    cases.nbytes = nbytes
-
-    def close():
-        eng.close()
-        pbuf.release()
-        pool.close()
-    closers.append(close)
     return cases
 
 

@@ -128,7 +128,8 @@ class ResultPool:
     memory a caller still refers to is never handed out again. A mapping given back is reused, already
     faulted in, by the next request of the same size; at most `idle_limit` bytes are kept idle, the oldest
     unmapped first. Results are not advised for huge pages (their compaction made populating slower and
-    far more variable here, docs/io.md) and not page-locked.
+    far more variable here, docs/io.md) and not page-locked. holds(addr) tells the reader that memory is a
+    result's (read through pool buffers: [Note: results are read through the pool] in tiers/nvme/reads.py).
 
     Finalizers run in whichever thread drops the last reference, even inside this class's own code (a
     garbage collection): they only append to a deque, and drain it themselves when the lock is free.
@@ -142,6 +143,8 @@ class ResultPool:
         self._back: deque[mmap.mmap] = deque()  # given back, not yet sorted (appended by finalizers)
         self._idle: OrderedDict[int, mmap.mmap] = OrderedDict()  # id -> mapping, oldest first
         self._by_size: dict[int, list[int]] = {}  # bytes -> ids of idle mappings of that size
+        self._out: dict[int, int] = {}  # id(mapping) -> its address, while handed out
+        self._addrs: set[int] = set()  # the addresses of _out
         self.idle_bytes = 0
         self.lent_bytes = 0  # bytes of mappings handed out and not yet filed back (in use, or given back just now)
         self.reused = 0  # results served from a recycled mapping
@@ -165,8 +168,16 @@ class ResultPool:
         if mm is None:
             mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         arr = numpy.frombuffer(mm, dtype=numpy.uint8, count=nbytes)
+        with self._lock:
+            self._out[id(mm)] = arr.ctypes.data
+            self._addrs.add(arr.ctypes.data)
         weakref.finalize(arr, _give_back, weakref.ref(self), mm).atexit = False
         return torch.from_numpy(arr)
+
+    def holds(self, addr: int) -> bool:
+        """Whether `addr` is the start of a result this pool handed out that is still in use."""
+        with self._lock:
+            return addr in self._addrs
 
     def limit_idle(self, nbytes: int | Callable[[], int]) -> Callable[[], None]:
         """Keep at most `nbytes` idle (with idle_limit and any other limit in force, the smallest holds) until the
@@ -211,6 +222,7 @@ class ResultPool:
         """Under the lock: file the given-back mappings as idle, then keep within idle_limit."""
         while self._back:
             mm = self._back.popleft()
+            self._addrs.discard(self._out.pop(id(mm), -1))
             self._idle[id(mm)] = mm
             self._by_size.setdefault(len(mm), []).append(id(mm))
             self.idle_bytes += len(mm)
