@@ -64,9 +64,8 @@ MEMORY_BOUNDS: dict[str, MemoryBound] = {
         ("the buckets the forward's last module calls use, kept (not released) for the start of backward "
          "([Note: kept at the turn])",
          "at world size 1, with fp32 compute and the parameters on the states' tier, nvme, the masters "
-         "backward read (with split masters their bfloat16 halves), kept for the step ([Note: masters at "
-         "hand]); with overlap_step, plus the step "
-         "queue's bytes (the \"step\" bound)",
+         "backward read (with split masters their bfloat16 halves), kept for the step "
+         "([Note: masters at hand]); with overlap_step, plus the step queue's bytes (the \"step\" bound)",
          "with fp32 compute and the parameters on the states' tier, nvme, the masters the step wrote, kept "
          "for the next forward's first buckets, also within prefetch_bytes "
          "([Note: stepped masters kept for the forward])")),
