@@ -4,12 +4,14 @@ but for ties (moved one fp32 ulp towards hi, still rounding to it); training, th
 masters at hand, checkpoints both ways and the model's state dict."""
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
-from tests.support import Deep, Net, batches, cfg, loss_fn
+from tests.support import Deep, Net, batches, cfg, loss_fn, run_ranks
 from tierstore.zero import Zero3Optimizer, keys, release_model
-from tierstore.zero.step.split_master import CHUNK, join, split
+from tierstore.zero.step.split_master import CHUNK, join, joined, split
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -81,6 +83,26 @@ def test_split_writes_into_given_buffers_and_leaves_the_master():
     assert torch.equal(out[~_ties(x)], x[~_ties(x)])
 
 
+def test_a_master_joined_where_the_buffers_are_not_stays_out_of_them():
+    """States resident on a memory tier of another device than the model's (whose buffers the step's pool
+    holds): the master is joined on the halves' device and never given back to that pool."""
+    class Loaded:
+        def __init__(self):
+            x = torch.randn(100)
+            hi, lo = split(x)
+            self.tensors, self.resident = {"hi": hi, "lo": lo}, {"hi", "lo"}
+
+    class Pool:
+        device = torch.device("meta")
+
+        def take(self, numel, dtype):
+            raise AssertionError("a buffer of another device")
+
+    t = Loaded()
+    master = joined(t, Pool())
+    assert master.device.type == "cpu" and "master" in t.resident and joined(t, Pool()) is master
+
+
 # -- training ---------------------------------------------------------------------------------------------
 def _make_ties(model: torch.nn.Module, every: int = 7) -> int:
     """Make every `every`-th weight element a tie (low 16 bits 0x8000); returns how many."""
@@ -145,6 +167,36 @@ def test_training_with_the_split_matches_fp32_masters_but_for_ties(tmp_path, ove
     assert "split-master" not in sta.step_paths and stb.step_paths["split-master"] == 4 * gids
     if overlap:  # backward's bfloat16 buckets were the halves at hand
         assert stb.masters_at_hand > 0 and stb.step_paths.get("masters-at-hand", 0) == stb.masters_at_hand
+
+
+def _ranks_train(rank, world, root):
+    """Three steps of Net on this rank's share of the batch, host tiers, bf16: the parameter shards after each
+    step, with and without the split."""
+    out = {}
+    for split_master in (False, True):
+        torch.manual_seed(0)
+        m = Net()
+        _make_ties(m)
+        opt = Zero3Optimizer(m, torch.optim.AdamW, lr=1e-2, config=cfg(
+            pathlib.Path(root) / f"{rank}-{split_master}", "host", "host", "host", compute_dtype=torch.bfloat16,
+            split_master=split_master))
+        out[split_master] = [opt.store.get(keys.master(opt.layout.trainable_gids()[0])).dtype]
+        for x, y in batches(3):
+            loss_fn(m, x.chunk(world)[rank].bfloat16(), y.chunk(world)[rank].bfloat16()).backward()
+            opt.step()
+            opt.zero_grad()
+            out[split_master].append(_params(opt))
+        opt.close()
+    return out
+
+
+def test_training_at_world_size_2_with_the_split_keeps_the_compute_copies(tmp_path):
+    results = run_ranks(_ranks_train, 2, str(tmp_path))
+    assert any(not torch.equal(res[True][1], res[True][-1]) for res in results)  # (a rank may hold only padding)
+    for res in results:
+        assert res[False][0] == torch.float32 and res[True][0] == torch.int16
+        for a, b in zip(res[False][1:], res[True][1:]):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 # -- disk bytes by kind ([Note: disk bytes by kind]) ------------------------------------------------------------
