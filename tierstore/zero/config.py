@@ -145,7 +145,7 @@ class OffloadConfig:
     compute_dtype: torch.dtype = knob(
         torch.float32, group="precision",
         doc="dtype of the gathered parameters the model computes with (float32, bfloat16, or float16 with "
-            "dynamic loss scaling); masters stay fp32")
+            "dynamic loss scaling); masters stay fp32 (see split_master)")
     gradient_dtype: torch.dtype = knob(
         torch.float32, group="precision",
         doc="dtype of the gradient partitions on a persistent (nvme) tier: float32 (exact accumulation) or the "

@@ -19,7 +19,10 @@ Checkpoints, ``export_subgroup`` and the model's state dict see the joined fp32 
 saved with the split loads without it and the other way round. At world size 1 the bfloat16 bucket
 backward releases is hi itself: the step takes it and reads only the remainder ([Note: masters at hand] in
 stepper.py). The passes work chunk by chunk into the step's own buffers: one chunk of scratch, no full-size
-temporary.
+temporary. The step joins on its compute thread into a recycled buffer and splits the stepped master back into
+the loaded halves (on a memory tier the store's own resident copies, rewritten in place); memory tiers then step
+one sub-group at a time, not all at once ([Note: one inner step for memory tiers] in stepper.py), so no fp32
+copy of every master exists at once.
 """
 from __future__ import annotations
 
