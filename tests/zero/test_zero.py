@@ -398,6 +398,12 @@ def test_bf16_compute_keeps_fp32_masters(tmp_path):
     with opt.gathered():
         assert all(p.dtype == torch.bfloat16 and p.numel() > 0 for p in m.parameters())
     opt.close()
+    # on the states' tier the master is the parameter shard plus an int16 remainder ([Note: split master])
+    for split in (True, False):
+        opt = Zero3Optimizer(Net(d=64, h=128), torch.optim.AdamW, lr=1e-3, config=cfg(
+            tmp_path / f"s{split}", "host", "host", compute_dtype=torch.bfloat16, split_master=split))
+        assert opt.store.get(keys.master(0)).dtype == (torch.int16 if split else torch.float32)
+        opt.close()
     bf, _ = train_loss(tmp_path / "c", compute_dtype=torch.bfloat16)
     print(f"held-out loss fp32 {base:.5f}, bf16 compute {bf:.5f}")
     assert abs(bf / base - 1) <= 0.1

@@ -64,8 +64,8 @@ MEMORY_BOUNDS: dict[str, MemoryBound] = {
         ("the buckets the forward's last module calls use, kept (not released) for the start of backward "
          "([Note: kept at the turn])",
          "at world size 1, with fp32 compute and the parameters on the states' tier, nvme, the masters "
-         "backward read, kept for the step ([Note: masters at hand]); with overlap_step, plus the step "
-         "queue's bytes (the \"step\" bound)",
+         "backward read (with split masters their bfloat16 halves), kept for the step "
+         "([Note: masters at hand]); with overlap_step, plus the step queue's bytes (the \"step\" bound)",
          "with fp32 compute and the parameters on the states' tier, nvme, the masters the step wrote, kept "
          "for the next forward's first buckets, also within prefetch_bytes "
          "([Note: stepped masters kept for the forward])")),
@@ -145,7 +145,7 @@ class OffloadConfig:
     compute_dtype: torch.dtype = knob(
         torch.float32, group="precision",
         doc="dtype of the gathered parameters the model computes with (float32, bfloat16, or float16 with "
-            "dynamic loss scaling); masters stay fp32")
+            "dynamic loss scaling); masters stay fp32 (see split_master)")
     gradient_dtype: torch.dtype = knob(
         torch.float32, group="precision",
         doc="dtype of the gradient partitions on a persistent (nvme) tier: float32 (exact accumulation) or the "
@@ -225,6 +225,12 @@ class OffloadConfig:
     extra: dict = knob(
         group="record", default_factory=dict, shown="{}",
         doc="what from_deepspeed could not map (`extra['ignored']`), kept for reference")
+    split_master: bool = knob(
+        True, group="precision",
+        doc="bfloat16 compute with the parameters on the optimizer states' tier: each fp32 master is stored as "
+            "its bfloat16 parameter shard plus an int16 remainder, 2 + 2 bytes a parameter instead of 2 + 4 (a "
+            "master exactly half way between two bfloat16 values moves one fp32 ulp, [Note: split master]); "
+            "False: fp32 masters")
 
     def __post_init__(self) -> None:
         validate.offload_config(self)  # every field checked, nvme_paths made a list

@@ -184,7 +184,7 @@ def offload_config(config: Any) -> None:
         Tuning.coerce(config.io_tuning)  # a bad file is refused here, naming it
     for name in ("initial_loss_scale", "min_loss_scale"):
         number("OffloadConfig", name, getattr(config, name), positive=True)
-    for name in ("quantized_weights", "quantized_gradients"):
+    for name in ("quantized_weights", "quantized_gradients", "split_master"):
         flag("OffloadConfig", name, getattr(config, name))
     integer("OffloadConfig", "intra_node_size", config.intra_node_size, 1, none_ok=True,
                      meaning=" (ranks per node; None: all)")

@@ -16,6 +16,7 @@ from ...tiers import tier_info
 from .. import _dist, keys
 from ..hooks.events import HookEvents
 from ..params.layout import Layout
+from . import split_master as sm
 from .disk_bytes import DiskBytes
 from .stepper import SubgroupStepper
 
@@ -58,7 +59,8 @@ def param_shapes(params: dict[str, torch.nn.Parameter]) -> dict[str, tuple[int, 
 
 class ModelShards:
     """This rank's shard of every bucket, in the store (keys.py's names): the fp32 master of a trainable
-    sub-group and, unless it is the shared master, the parameter shard in the compute dtype."""
+    sub-group (or its remainder: [Note: split master] in split_master.py) and, unless it is the shared master,
+    the parameter shard in the compute dtype."""
 
     def __init__(self, store, config, layout: Layout, params: dict[str, torch.nn.Parameter], *,
                  stepper: SubgroupStepper, disk: DiskBytes, device: torch.device, group, world_size: int, rank: int):
@@ -92,10 +94,12 @@ class ModelShards:
         """Subscribe what hands masters between the hooks and the step, where the configuration has them;
         `queue_bytes`: what the overlapped step's queue holds (0 without it)."""
         cfg = self.config
-        handed = self.shared_master and not tier_info(cfg.optimizer_states).memory and cfg.reuse_budget > 0
-        if handed and self.world_size == 1:
+        reused = not tier_info(cfg.optimizer_states).memory and cfg.reuse_budget > 0
+        handed = self.shared_master and reused
+        if (handed or self.stepper.split and reused) and self.world_size == 1:  # split: hi at hand
             # also kept while their sub-groups wait in the stream's queue ([Note: the stream's queue is in bytes])
-            self.at_hand = MastersAtHand(self.layout, self.device, self.stepper, cfg.reuse_budget + queue_bytes)
+            self.at_hand = MastersAtHand(self.layout, self.device, self.stepper, cfg.reuse_budget + queue_bytes,
+                                         cfg.compute_dtype if self.stepper.split else torch.float32)
             coordinator.subscribe(self.at_hand)
         budget = min(cfg.reuse_budget, cfg.prefetch_bytes)
         self.forward_head = ForwardHead(self.layout, coordinator, self.stepper, budget)
@@ -164,7 +168,6 @@ class ModelShards:
         handles (whose chunks are deleted as they are taken). At world size N a bucket of Init slices is
         filled with what this rank holds and reduce-scattered; see [Note: streaming Init at world size N]."""
         from ..params.init import reduce_scatter_exact
-        cfg = self.config
         sliced = self._sliced_gids()
         for gl in self.layout.groups:
             for bi, b in enumerate(gl.plan.buckets):
@@ -179,10 +182,7 @@ class ModelShards:
                                      sliced=gid in sliced)
                 master = reduce_scatter_exact(buf, self.group) if gid in sliced else buf
                 del buf
-                if gl.trainable:
-                    self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
-                if not (gl.trainable and self.shared_master):
-                    self.store.put(keys.param(gid), master.to(cfg.compute_dtype), tier=cfg.params)
+                self._put(gid, gl.trainable, master)
                 del master
 
     def lend(self, gid: int):
@@ -206,15 +206,20 @@ class ModelShards:
     def read_master(self, gid: int) -> torch.Tensor:
         """This rank's shard of sub-group `gid` in fp32 (a copy): the master, or a frozen sub-group's shard."""
         if self.layout.group_of(gid).trainable:
-            return self.store.get(keys.master(gid))
+            return sm.get(self.store, gid) if self.stepper.split else self.store.get(keys.master(gid))
         return self.store.get(keys.param(gid)).to(torch.float32)
 
     def write_master(self, gid: int, master: torch.Tensor) -> None:
         """Replace this rank's shard of sub-group `gid` (fp32 values): master and compute-dtype shard."""
-        cfg = self.config
         self.stepper.drop_at_hand()
         self.stepper.drop_kept()
-        trainable = self.layout.group_of(gid).trainable
+        self._put(gid, self.layout.group_of(gid).trainable, master)
+
+    def _put(self, gid: int, trainable: bool, master: torch.Tensor) -> None:
+        cfg = self.config
+        if trainable and self.stepper.split:  # [Note: split master] in split_master.py
+            sm.put(self.store, cfg, gid, master)
+            return
         if trainable:
             self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
         if not (trainable and self.shared_master):
@@ -234,18 +239,21 @@ class ModelShards:
 
 
 class MastersAtHand(HookEvents):
-    """Offers the step the masters backward releases ([Note: masters at hand] in stepper.py)."""
+    """Offers the step the masters backward releases ([Note: masters at hand] in stepper.py), or with split
+    masters their bfloat16 halves (`dtype`: what a bucket offered holds; [Note: split master])."""
 
-    def __init__(self, layout: Layout, device: torch.device, stepper: SubgroupStepper, budget: int):
+    def __init__(self, layout: Layout, device: torch.device, stepper: SubgroupStepper, budget: int,
+                 dtype: torch.dtype = torch.float32):
         self.layout = layout
         self.device = device
         self.stepper = stepper
         self.budget = budget  # bytes
+        self.dtype = dtype
 
     def bucket_released(self, gid: int, full: torch.Tensor) -> None:
         """Hand bucket `gid`'s values to the step when they are exactly the master's and nothing else refers
         to them."""
-        if (not self.layout.group_of(gid).trainable or full.dtype != torch.float32 or not full.is_contiguous()
+        if (not self.layout.group_of(gid).trainable or full.dtype != self.dtype or not full.is_contiguous()
                 or full.numel() != self.layout.shard_numel(gid) or full.device != self.device):
             return
         # `full`, the untyped storage asked here and `full`'s base (an aligned allocation) if it is a view; a

@@ -10,16 +10,18 @@ thread). Only tensors on the nvme tier are read into buffers -- recycled between
 step allocates (and page-faults) nothing in steady state -- and written back with put().
 
 [Note: masters at hand]
-With fp32 compute at world size 1 and the parameters on the states' tier, the bucket backward gathers *is*
-the master shard read from the store ([Note: shared master] in shards.py). When backward releases such
-a bucket read from nvme and nothing else refers to its memory (no view saved by autograd: the storage's
-use count says so), the model's shards hear it (``bucket_released``, [Note: hook events] in events.py) and
-offer it here (``offer``): the last ones offered are kept, at most ``reuse_bytes`` (OffloadConfig) of them,
-and the step's ``load`` takes one instead of reading the master again -- the same bytes, so the step is
-unchanged; the overlapped step ([Note: overlapped step] in overlap.py) takes its sub-group's when the stream
-loads it, so there the budget also covers the stream's queue ([Note: the stream's queue is in bytes] in
-pipeline.py): a master dropped while its sub-group waited would be read again. Anything that writes a master
-drops them first (``drop_at_hand``: zero_grad, the end of step, gathered(), loading a state).
+With fp32 compute at world size 1 and the parameters on the states' tier, the bucket backward gathers *is* the
+master shard read from the store ([Note: shared master] in shards.py); with bf16 compute it is the upper half
+of a split master, and the step reads only the remainder ([Note: split master] in split_master.py). When
+backward releases such a bucket read from nvme and nothing else refers to its memory (no view saved by
+autograd: the storage's use count says so), the model's shards hear it (``bucket_released``, [Note: hook
+events] in events.py) and offer it here (``offer``): the last ones offered are kept, at most ``reuse_bytes``
+(OffloadConfig) of them, and the step's ``load`` takes one instead of reading the master again -- the same
+bytes, so the step is unchanged; the overlapped step ([Note: overlapped step] in overlap.py) takes its
+sub-group's when the stream loads it, so there the budget also covers the stream's queue ([Note: the stream's
+queue is in bytes] in pipeline.py): a master dropped while its sub-group waited would be read again. Anything
+that writes a master drops them first (``drop_at_hand``: zero_grad, the end of step, gathered(), loading a
+state).
 
 [Note: stepped masters kept for the forward]
 The same masters, the other way round: with the parameters sharing the master ([Note: shared master] in
@@ -49,7 +51,8 @@ pipeline.py) or "overlapped" (during backward, [Note: overlapped step] in overla
 each of these it took: "first" (no states yet: the inner optimizer's initial ones), "fused8" ([Note: fused
 8-bit step in ZeRO-3] in state8.py), "partly-skipped" ([Note: skipped parameters] in skipped.py),
 "masters-at-hand" ([Note: masters at hand]), "shared-master" (no parameter shard written: [Note: shared
-master] in shards.py) and "kept-for-forward" ([Note: stepped masters kept for the forward]).
+master] in shards.py), "split-master" ([Note: split master] in split_master.py) and "kept-for-forward"
+([Note: stepped masters kept for the forward]).
 """
 from __future__ import annotations
 
@@ -69,6 +72,7 @@ import torch
 from ...tiers import tier_info
 from ...tiers.host import ALIGNED_MIN, aligned_mapping
 from .. import keys
+from . import split_master as sm
 from .disk_bytes import DiskBytes
 from .pipeline import StepPipeline
 from .skipped import SkippedParams
@@ -266,6 +270,7 @@ class StepContext:
     buffers: BufferPool
     shard_numel: Callable[[int], int]
     shared_master: bool
+    split: bool  # [Note: split master] in split_master.py
     fused8: bool
     device: torch.device
     disk: DiskBytes
@@ -288,8 +293,8 @@ class StepContext:
             type(inner), inner.param_groups, device)
         shared = config.compute_dtype == torch.float32 and config.params == config.optimizer_states
         return cls(store, config, inner, placeholder, gid_group, templates, states8, skipped, buffers,
-                   shard_numel=layout.shard_numel, shared_master=shared, fused8=fused8, device=device,
-                   disk=DiskBytes(store))
+                   shard_numel=layout.shard_numel, shared_master=shared, split=sm.applies(config), fused8=fused8,
+                   device=device, disk=DiskBytes(store))
 
 
 class SubgroupStepper:
@@ -301,7 +306,7 @@ class SubgroupStepper:
         self.placeholder, self.gid_group, self.templates = ctx.placeholder, ctx.gid_group, ctx.templates
         self.states8, self.skipped, self.buffers = ctx.states8, ctx.skipped, ctx.buffers
         self.shard_numel, self.shared_master, self.fused8 = ctx.shard_numel, ctx.shared_master, ctx.fused8
-        self.device, self.disk = ctx.device, ctx.disk  # disk: [Note: disk bytes by kind]
+        self.device, self.disk, self.split = ctx.device, ctx.disk, ctx.split  # disk: [Note: disk bytes by kind]
         config = ctx.config
         self.state_keys: dict[int, list[str]] = {}  # gid -> tensor states in the store (absent: never stepped)
         self.aux: dict[int, dict] = {}  # gid -> non-tensor states (kept here, not in the store)
@@ -327,13 +332,15 @@ class SubgroupStepper:
     def export(self, gid: int) -> dict:
         """Sub-group `gid`'s state on this rank as CPU tensors (Zero3Optimizer.export_subgroup)."""
         names = self.state_keys.get(gid, [])
-        got = self.store.get_many([keys.master(gid)] + [keys.state(gid, k) for k in names], device="cpu")
+        head = [keys.param(gid)] * self.split + [keys.master(gid)]  # [Note: split master] in split_master.py
+        got = self.store.get_many(head + [keys.state(gid, k) for k in names], device="cpu")
         q8 = self.states8
         state = {}
         for k in names:
             v = got[keys.state(gid, k)]
             state[k] = q8.unpack(gid, k, v, torch.empty(q8.packed[(gid, k)][1])) if q8.is_packed(gid, k) else v
-        return {"master": got[keys.master(gid)], "state": state, "aux": dict(self.aux.get(gid, {}))}
+        master = sm.join(got[keys.param(gid)], got[keys.master(gid)]) if self.split else got[keys.master(gid)]
+        return {"master": master, "state": state, "aux": dict(self.aux.get(gid, {}))}
 
     def import_(self, gid: int, master: torch.Tensor, state: dict, aux: dict) -> None:
         """Replace sub-group `gid`'s master (and parameter shard), states and aux state on this rank
@@ -342,8 +349,11 @@ class SubgroupStepper:
         self.drop_at_hand()
         self.drop_kept()
         master = master.to(self.device, torch.float32)
-        self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
-        if not self.shared_master:
+        if self.split:
+            sm.put(self.store, cfg, gid, master)
+        else:
+            self.store.put(keys.master(gid), master, tier=cfg.optimizer_states)
+        if not (self.shared_master or self.split):
             self.store.put(keys.param(gid), master.to(cfg.compute_dtype), tier=cfg.params)
         for k in self.state_keys.get(gid, []):
             if keys.state(gid, k) in self.store:
@@ -412,7 +422,7 @@ class SubgroupStepper:
         cfg = self.config
         on_disk = any(tier_info(t).persistent for t in (cfg.optimizer_states, cfg.gradients)) or (
             tier_info(cfg.params).persistent and not self.shared_master)
-        if (not on_disk and cfg.gradients == cfg.optimizer_states
+        if (not on_disk and cfg.gradients == cfg.optimizer_states and not self.split  # split: one at a time
                 and all(gid in self.state_keys for gid in gids)):
             self._step_in_place(gids, coef)  # [Note: one inner step for memory tiers]
         else:
@@ -455,14 +465,15 @@ class SubgroupStepper:
         cfg = self.config
         names = self.state_keys.get(gid, [])
         at_hand = self._take_at_hand(gid)  # [Note: masters at hand]
-        roles = [] if at_hand is not None else [("master", keys.master(gid), cfg.optimizer_states)]
+        roles = sm.roles(gid, cfg, at_hand) if self.split else (  # [Note: split master] in split_master.py
+            [] if at_hand is not None else [("master", keys.master(gid), cfg.optimizer_states)])
         if grad is None:
             roles.append(("grad", keys.grad(gid), cfg.gradients))
         roles += [(k, keys.state(gid, k), cfg.optimizer_states) for k in names]
         stack = ExitStack()
         got: dict[str, torch.Tensor] = {} if grad is None else {"grad": grad}
         if at_hand is not None:
-            got["master"] = at_hand
+            got["hi" if self.split else "master"] = at_hand
         resident: set[str] = set()
         disk: list[tuple[str, str]] = []
         fused = False
@@ -503,7 +514,7 @@ class SubgroupStepper:
         try:
             for t in items:
                 gid, got = t.gid, t.tensors
-                master = got["master"]
+                master = sm.joined(t, self.buffers) if self.split else got["master"]
                 grad = got["grad"]
                 if grad.device != master.device or grad.dtype != master.dtype:
                     grad = grad.to(master.device, master.dtype)  # [Note: gradient dtype on nvme]
@@ -559,6 +570,8 @@ class SubgroupStepper:
                     self.skipped.restore(kept[id(ph)], ph.data, t.new_state)
                 ph.data = torch.empty(0, dtype=torch.float32, device=self.device)
                 ph.grad = None
+        for t in items if self.split else ():  # hi and lo of the stepped master, into their own buffers
+            sm.split(t.master_out, t.tensors["hi"], t.tensors["lo"])
         return items
 
     # [Note: the inner step sees only what it steps]
@@ -595,15 +608,17 @@ class SubgroupStepper:
                        kept=got["master"] if keep else None)
         self.buffers.lent(back.tensors)  # [Note: lent buffers are bounded]
         try:
-            if "master" not in resident or master.data_ptr() != got["master"].data_ptr():
+            if self.split:
+                sm.save(self.store, self.disk, cfg, t, back)
+            elif "master" not in resident or master.data_ptr() != got["master"].data_ptr():
                 self.store.put(keys.master(gid), master, tier=cfg.optimizer_states, lend=back.lend())
                 self.disk.count(keys.master(gid), write=True)
                 if keep:
                     with self._hand_lock:
                         self._kept[gid] = (got["master"], back)
             pname = keys.param(gid)
-            if self.shared_master:
-                t.paths.append("shared-master")
+            if self.shared_master or self.split:
+                t.paths.append("shared-master" if self.shared_master else "split-master")
             elif self._on_memory(pname, cfg.params):
                 with self.store.tensor(pname).resident(cfg.params, writeback=True) as p:
                     _copy(p, master)
