@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tests.support import Deep, Net, batches, cfg, loss_fn, run_ranks
+from tierstore.errors import TierstoreValueError
 from tierstore.zero import Zero3Optimizer, keys, release_model
-from tierstore.zero.step.split_master import CHUNK, join, joined, split
+from tierstore.zero.step.split_master import CHUNK, applies, join, joined, split
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -309,3 +310,15 @@ def test_model_state_dict_and_load_state_dict_with_the_split(tmp_path):
             assert not torch.equal(m.state_dict()["fc1.weight"], new["fc1.weight"].bfloat16())
         finally:
             opt.close()
+
+
+@pytest.mark.parametrize("tier, split", [("nvme", True), ("host", False)])
+def test_the_default_splits_masters_where_the_tier_is_persistent(tmp_path, tier, split):
+    """split_master="auto": on nvme the split saves 2 bytes read and written a step; on a memory tier the
+    in-place step over all sub-groups stays ([Note: split master])."""
+    c = cfg(tmp_path, tier, tier, tier, compute_dtype=torch.bfloat16)
+    assert c.split_master == "auto" and applies(c) is split
+    assert applies(c.replace(split_master=True)) and not applies(c.replace(split_master=False))
+    assert not applies(cfg(tmp_path, tier, tier, tier))  # fp32 compute: the shared master, nothing to split
+    with pytest.raises(TierstoreValueError, match="True, False or 'auto'"):
+        c.replace(split_master="on")

@@ -225,12 +225,13 @@ class OffloadConfig:
     extra: dict = knob(
         group="record", default_factory=dict, shown="{}",
         doc="what from_deepspeed could not map (`extra['ignored']`), kept for reference")
-    split_master: bool = knob(
-        True, group="precision",
+    split_master: bool | str = knob(
+        "auto", group="precision",
         doc="bfloat16 compute with the parameters on the optimizer states' tier: each fp32 master is stored as "
             "its bfloat16 parameter shard plus an int16 remainder, 2 + 2 bytes a parameter instead of 2 + 4 (a "
             "master exactly half way between two bfloat16 values moves one fp32 ulp, [Note: split master]); "
-            "False: fp32 masters")
+            "'auto': where that tier is nvme (2 bytes less read and written a step); True: on any tier (also "
+            "2 bytes less memory on host, its step then one sub-group at a time); False: fp32 masters")
 
     def __post_init__(self) -> None:
         validate.offload_config(self)  # every field checked, nvme_paths made a list

@@ -184,8 +184,10 @@ def offload_config(config: Any) -> None:
         Tuning.coerce(config.io_tuning)  # a bad file is refused here, naming it
     for name in ("initial_loss_scale", "min_loss_scale"):
         number("OffloadConfig", name, getattr(config, name), positive=True)
-    for name in ("quantized_weights", "quantized_gradients", "split_master"):
+    for name in ("quantized_weights", "quantized_gradients"):
         flag("OffloadConfig", name, getattr(config, name))
+    if not isinstance(config.split_master, bool) and config.split_master != "auto":
+        raise TierstoreValueError(f"OffloadConfig(split_master={config.split_master!r}): True, False or 'auto'")
     integer("OffloadConfig", "intra_node_size", config.intra_node_size, 1, none_ok=True,
                      meaning=" (ranks per node; None: all)")
     integer("OffloadConfig", "activation_budget_bytes", config.activation_budget_bytes, 0, none_ok=True,

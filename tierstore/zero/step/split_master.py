@@ -3,7 +3,8 @@
 [Note: split master]
 With bfloat16 compute the parameter shard ``p{gid}`` is the master rounded to bfloat16: the master's upper
 16 bits, give or take the rounding. Where the parameters and the optimizer states share a tier
-(OffloadConfig(split_master=True), the default; the shape of [Note: shared master] in shards.py) the master
+(OffloadConfig(split_master=True); "auto", the default, where that tier is persistent -- on a memory tier it
+would trade the in-place step for 2 bytes of memory; the shape of [Note: shared master] in shards.py) the master
 ``m{gid}`` is stored as the int16 *remainder* instead of fp32, so a trainable sub-group costs 2 + 2 bytes per
 element, not 2 + 4 (on nvme: 2 bytes less read and written per parameter per step).
 - ``split``: hi = master.to(bfloat16), torch's round-to-nearest-even -- the compute copy is exactly what it is
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from ...tiers import tier_info
 from .. import keys
 
 CHUNK = 1 << 18  # elements per pass: 1 MiB of fp32 scratch
@@ -35,8 +37,9 @@ CHUNK = 1 << 18  # elements per pass: 1 MiB of fp32 scratch
 
 def applies(config) -> bool:
     """Whether `config` stores masters split ([Note: split master])."""
-    return bool(config.split_master and config.compute_dtype == torch.bfloat16
-                and config.params == config.optimizer_states)
+    wanted = config.split_master is True or (config.split_master == "auto"
+                                             and tier_info(config.optimizer_states).persistent)
+    return bool(wanted and config.compute_dtype == torch.bfloat16 and config.params == config.optimizer_states)
 
 
 def split(master: torch.Tensor | None, hi: torch.Tensor | None = None,
