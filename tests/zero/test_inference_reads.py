@@ -68,3 +68,33 @@ def test_reads_ahead_take_the_budget_beside_the_running_module(tmp_path):
     assert torch.equal(out, ref)
     assert most[0] > budget - 2 * module, (most[0], budget, module)  # more than the old reserve left
     assert 0 < peak <= budget, peak
+
+
+def test_the_next_forwards_first_buckets_are_read_before_the_last_module_runs(tmp_path):
+    """[Note: reads across forwards] in hooks/prefetch.py: near a forward's end the reads ahead go on into the next
+    forward's first modules, and the forward's end keeps them: the next forward reads each bucket once."""
+    torch.manual_seed(0)
+    m = Deep(layers=24, width=256)  # 24 buckets of 257 KiB; a 4 MiB budget reads about 14 ahead
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        ref = m(x)
+    with offload_for_inference(m, nvme_path=tmp_path, budget_bytes=4 << 20) as off:
+        coord, pf = off.coordinator, off.coordinator.prefetcher
+        first = [coord._module_gids[id(layer)][0] for layer in m.layers[:4]]
+        seen = []
+        m.layers[-1].register_forward_pre_hook(lambda mod, args: seen.append([g in pf._prefetched for g in first]))
+        with torch.no_grad():
+            m(x)  # the trace
+            m(x)
+            kept = [g in pf._prefetched for g in first]
+            pf.settle()  # the reads in flight are counted once done
+            before, ahead0 = off.stats(), len(pf._prefetched)
+            out = m(x)
+            pf.settle()
+            after, ahead1 = off.stats(), len(pf._prefetched)
+    assert torch.equal(out, ref)
+    assert seen[-1] == [True] * 4 and kept == [True] * 4, (seen, kept)
+    # each bucket read once: the forward's own minus those read before it, plus those read for the next one
+    assert after.fetches - before.fetches == 24 - ahead0 + ahead1, (before, after, ahead0, ahead1)
+    assert after.prefetch_hits - before.prefetch_hits == 24
+    assert 0 < after.peak_resident_bytes <= 4 << 20

@@ -257,6 +257,7 @@ class OffloadedModel:
             prefetch_depth=1 if prefetch else 0, prefetch_bytes=read_ahead_bytes(budget_bytes, module_bytes) if prefetch
             else 0, lend_shard=lend,
             read_workers=READ_WORKERS)
+        self.coordinator.carry_reads = prefetch  # [Note: reads across forwards] in hooks/prefetch.py
         for name, p in params.items():  # empty, reading as its full shape ([Note: partitioned parameters read true])
             shape, dtype, _ = self.layout.specs[name]
             partition(p, self.coordinator.empty(dtype), shape)
