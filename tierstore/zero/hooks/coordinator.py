@@ -148,7 +148,6 @@ class ParamCoordinator:
         self._lend = lend_shard if self._world == 1 and not quantized_weights else None
         self._lent: dict[int, bool] = {}
         self.views = True  # False: gather copies even where a shard could be lent (gathered())
-        self.carry_reads = False  # weights never written: read ahead across forwards ([Note: reads across forwards])
         # world size N: which buckets reduced early are final ([Note: overlapped step at world size N] in finals.py)
         self.finals = FinalAgreement(self.reducer, self.residency, self.events, group)
         self.final_backwards = 0  # backwards that ended with final buckets wanted (some may have been stepped)
@@ -351,9 +350,7 @@ class ParamCoordinator:
         self._depth -= 1
         if self._depth == 0:
             self.trace.end()
-            carry = self.carry_reads and not self.trace.recording  # [Note: reads across forwards] in prefetch.py
-            self.prefetcher.drop(keep={g for mid in self.trace.upcoming(self.prefetcher.span)
-                                       for g in self._module_gids.get(mid, ())} if carry else ())
+            self.prefetcher.drop()
             if self.phase is Phase.FORWARD:  # buckets kept for a module predicted next (see _post_forward)
                 self._keep_for_backward()  # [Note: kept at the turn] in turn.py
                 for gid in list(self.residency.live):
@@ -424,8 +421,7 @@ class ParamCoordinator:
     def _prefetch_ahead(self) -> None:
         """Forward: stages ahead of the trace ([Note: prefetch stages])."""
         if self.prefetcher.enabled:
-            self.prefetcher.ahead([self._module_gids.get(mid, ())
-                                   for mid in self.trace.upcoming(self.prefetcher.span, wrap=self.carry_reads)])
+            self.prefetcher.ahead([self._module_gids.get(mid, ()) for mid in self.trace.upcoming(self.prefetcher.span)])
 
     # -- backward -------------------------------------------------------------------------------------
     def _begin_backward(self) -> None:

@@ -42,14 +42,6 @@ on READ_WORKERS threads (offloaded inference: ``read_workers``, more), so that s
 Everything read beyond the depth is bounded by `read_bytes` of memory; what the trace predicted wrongly is
 dropped at the forward's end as before.
 
-[Note: reads across forwards]
-Where the weights are never written between forwards (offloaded inference: ``ParamCoordinator.carry_reads``),
-the trace wraps: near a forward's end the modules after the last are the next forward's first, so the reads
-ahead go on into them while the last modules compute, and the forward's end keeps the reads of the buckets the
-next forward's first modules use (the rest is dropped as before). A generation step then never waits for the
-first layers' reads after the caller's work between tokens. Training leaves it off: the step writes the
-shards between forwards, so nothing read before it may be used after it.
-
 [Note: prefetch after the step]
 The first modules of a forward have nothing before them to hide their reads behind: without help the
 forward starts cold (read, all-gather, then compute). So when the optimizer's step() has written every
@@ -161,16 +153,11 @@ class Trace:
         self.recording = True
         self.rebuilds += 1
 
-    def upcoming(self, depth: int, *, wrap: bool = False) -> list[int]:
-        """The next `depth` modules the trace predicts (none while recording); with `wrap`, near the forward's
-        end those of the next forward's start follow, up to the current position ([Note: reads across
-        forwards])."""
+    def upcoming(self, depth: int) -> list[int]:
+        """The next `depth` modules the trace predicts (none while recording)."""
         if self.recording or depth <= 0:
             return []
-        out = self.order[self.pos:self.pos + depth]
-        if wrap and len(out) < depth:
-            out += self.order[:min(self.pos, depth - len(out))]
-        return out
+        return self.order[self.pos:self.pos + depth]
 
     def end(self) -> None:
         """The forward finished: a recording becomes the trace; a walk that stopped early shortens it."""
@@ -280,20 +267,20 @@ class Prefetcher:
         self.gather_hits += 1
         return full
 
-    def drop(self, keep=()) -> None:
-        """Drop what was fetched ahead and not used, but the reads of the buckets in `keep` ([Note: reads across
-        forwards]); an all-gather posted ahead is waited for first (every rank posted it, so it completes)."""
+    def drop(self) -> None:
+        """Drop what was fetched ahead and not used; an all-gather posted ahead is waited for first (every
+        rank posted it, so it completes)."""
         for gid in sorted(self._pending):
             self._pending[gid].wait()
             self.gathers_dropped += 1
         self._pending.clear()
-        for gid in [g for g in self._prefetched if g not in keep]:
-            fut = self._prefetched.pop(gid)
-            self._ahead_bytes -= self._shard_bytes(gid)
+        for fut in self._prefetched.values():
             try:
                 fut.result()
             except Exception:  # a failed read nobody needs: the next real fetch raises it
                 pass
+        self._prefetched.clear()
+        self._ahead_bytes = 0
 
     def settle(self) -> None:
         """Wait for the reads in flight (they stay read ahead; a failed one raises when its shard is used)."""

@@ -39,27 +39,14 @@ memory follows the budget, not the model:
   is open the pool keeps idle only what the budget leaves beside the result memory lent out (the weights
   held and the reads in flight), so lent and idle together stay within the budget;
 - a bucket of 1 MiB or more is read with O_DIRECT straight into that memory, never through the store's
-  page-locked staging buffers, so the store gets 8 MiB of them, in READ_PIECE buffers (the fill's writes and
-  small buckets go through them) and its engine the fewest bounce buffers (io_uring pins them once
-  registered: 32 MiB by default);
+  page-locked staging buffers, so the store gets two of them (the fill's writes and small buckets go through
+  them) and its engine the fewest bounce buffers (io_uring pins them once registered: 32 MiB by default);
 - each forward's end returns the heap's free pages (heap.trim: the activations and KV cache freed in it),
   so RSS does not keep the heap's high-water mark token after token;
 - the reads ahead run on READ_WORKERS (8) threads, so that every bucket the budget leaves room for, large
   and small, is in flight at once (measured: 4 threads left the disk idler, docs/inference.md). The budget
   itself trades memory for reads in flight: on this machine's disk half of 128 MiB (four of the largest
   Linear of a 1024-wide GPT-2) read a third slower per token.
-
-[Note: reads in flight within a small budget]
-A disk is kept busy by the requests in flight, and reads ahead are bounded by bytes, so within a small budget
-what matters is how many requests those bytes make and how many bytes the budget leaves to them:
-- the store's buffers are READ_PIECE (1 MiB), and a bucket read with O_DIRECT is read in requests of that
-  size, so a 16 MiB Linear is 16 requests in flight, not 4: the same bytes ahead keep four times the requests
-  queued at the disk (and the fill writes through 1 MiB buffers);
-- the reads ahead may take all the budget beside the module running (``read_ahead_bytes``): the next module's
-  buckets, read first in model order, are counted among them, so reserving room for them besides (twice the
-  largest module, as the refusal asks) left a module's worth of the budget unused.
-Reads are submitted in model order, nearest first, to threads taking them first come first served, and each
-bucket's requests in offset order, so the disk serves the bucket needed next before those after it.
 
 [Note: filling the weight store]
 The store is filled one bucket at a time: each parameter's elements come from its zero.Init handle (whose
@@ -98,7 +85,6 @@ DEFAULT_BUDGET = 256 << 20  # bytes
 STAGING_BYTES = 8 << 20  # bytes: the store's page-locked buffers (staging_bytes)
 READ_WORKERS = 8  # threads reading ahead ([Note: the inference budget])
 MIN_IO_BYTES = 1 << 20  # bytes: small parameters are packed into buckets of this much (or budget // 16)
-READ_PIECE = 1 << 20  # bytes: the requests a bucket is read in ([Note: reads in flight within a small budget])
 
 
 @dataclass(frozen=True)
@@ -215,7 +201,7 @@ class OffloadedModel:
         self._dir = tempfile.mkdtemp(prefix="tierstore-inference-", dir=base)
         self.store = Store([self._dir], budgets={"host": None if tier == "host" else 0, "device": 0,
                                                  "pinned": staging_bytes(budget_bytes)},
-                           io_tuning=io_tuning, buffer_bytes=READ_PIECE, _fresh=True, _bounce_bytes=0)
+                           io_tuning=io_tuning, _fresh=True, _bounce_bytes=0)
         self._lift_idle = RESULTS.limit_idle(self._idle_room)  # [Note: the inference budget]
         self._closed = False
         self._names: dict[int, list[str]] = {}  # gid -> parameters in its bucket (for error messages)
@@ -254,10 +240,8 @@ class OffloadedModel:
         lend = self._lend if tier == "host" and weights_dtype in (None, compute_dtype) else None
         self.coordinator = ParamCoordinator(
             model, self.layout, params, self._fetch, _NoGradients(), device=self.device,
-            prefetch_depth=1 if prefetch else 0, prefetch_bytes=read_ahead_bytes(budget_bytes, module_bytes) if prefetch
-            else 0, lend_shard=lend,
+            prefetch_depth=1 if prefetch else 0, prefetch_bytes=max(0, budget_bytes - need), lend_shard=lend,
             read_workers=READ_WORKERS)
-        self.coordinator.carry_reads = prefetch  # [Note: reads across forwards] in hooks/prefetch.py
         for name, p in params.items():  # empty, reading as its full shape ([Note: partitioned parameters read true])
             shape, dtype, _ = self.layout.specs[name]
             partition(p, self.coordinator.empty(dtype), shape)
@@ -485,16 +469,10 @@ def _module_runs(modules: list[list[str]], nbytes: dict[str, int], pack: int, ca
 
 
 def staging_bytes(budget_bytes: int) -> int:
-    """The page-locked staging buffers of the store of an offload (of any budget): eight READ_PIECE (1 MiB)
+    """The page-locked staging buffers of the store of an offload (of any budget): two of the store's 4 MiB
     buffers. A bucket of 1 MiB or more is read with O_DIRECT straight into result memory, never through them;
     they serve the fill's writes and the reads of smaller buckets ([Note: the inference budget])."""
     return STAGING_BYTES
-
-
-def read_ahead_bytes(budget_bytes: int, module_bytes: int) -> int:
-    """Bytes of buckets read ahead and not yet used, at most: all the budget leaves beside the module running
-    (the next module's buckets are among them). [Note: reads in flight within a small budget]"""
-    return max(0, budget_bytes - module_bytes)
 
 
 def _key(gid: int) -> str:
