@@ -411,9 +411,9 @@ def byte_verdicts(rounds: dict[str, list[float]]) -> list[list[str]]:
         rows.append([f"{c}: B/param/step", f"{statistics.median(mine):.2f}", f"<= {most:g}",
                      verdict(mine, ("<=", most), None, timed=False)])
         if peer in rounds:
-            rows.append([f"{c} / {peer} bytes", f"{statistics.median(mine) / statistics.median(rounds[peer]):.2f}x",
-                         "<= 1x", verdict([m / statistics.median(rounds[peer]) for m in mine], ("<=", 1.0), None,
-                                          timed=False)])
+            theirs = statistics.median(rounds[peer])
+            rows.append([f"{c} / {peer} bytes", f"{statistics.median(mine) / theirs:.2f}x", "<= 1x",
+                         verdict([m / theirs for m in mine], ("<=", 1.0), None, timed=False)])
     return rows
 
 

@@ -38,9 +38,11 @@ memory follows the budget, not the model:
 - the memory the weights are read into is recycled ([Note: result memory] in tiers/host.py); while the offload
   is open the pool keeps idle only what the budget leaves beside the result memory lent out (the weights
   held and the reads in flight), so lent and idle together stay within the budget;
-- a bucket of 1 MiB or more is read with O_DIRECT straight into that memory, never through the store's
-  page-locked staging buffers, so the store gets two of them (the fill's writes and small buckets go through
-  them) and its engine the fewest bounce buffers (io_uring pins them once registered: 32 MiB by default);
+- the store gets two page-locked staging buffers: every read goes through them and is copied into that memory
+  ([Note: results are read through the pool] in tiers/nvme/reads.py); reading straight into it instead was no
+  faster (`tierstore bench inference --params 300e6 --budget 128M --cases accelerate,nvme-fp32`, alternated,
+  two runs each: 1.73-1.83x accelerate against 1.86-1.93x through them); its engine gets the fewest bounce
+  buffers (io_uring pins them once registered: 32 MiB by default);
 - each forward's end returns the heap's free pages (heap.trim: the activations and KV cache freed in it),
   so RSS does not keep the heap's high-water mark token after token;
 - the reads ahead run on READ_WORKERS (8) threads, so that every bucket the budget leaves room for, large
@@ -470,8 +472,7 @@ def _module_runs(modules: list[list[str]], nbytes: dict[str, int], pack: int, ca
 
 def staging_bytes(budget_bytes: int) -> int:
     """The page-locked staging buffers of the store of an offload (of any budget): two of the store's 4 MiB
-    buffers. A bucket of 1 MiB or more is read with O_DIRECT straight into result memory, never through them;
-    they serve the fill's writes and the reads of smaller buckets ([Note: the inference budget])."""
+    buffers, which the fill's writes and every read go through ([Note: the inference budget])."""
     return STAGING_BYTES
 
 

@@ -96,7 +96,7 @@ class ModelShards:
         cfg = self.config
         reused = not tier_info(cfg.optimizer_states).memory and cfg.reuse_budget > 0
         handed = self.shared_master and reused
-        if (handed or self.stepper.split and reused) and self.world_size == 1:  # split: hi at hand
+        if reused and (self.shared_master or self.stepper.split) and self.world_size == 1:  # split: hi at hand
             # also kept while their sub-groups wait in the stream's queue ([Note: the stream's queue is in bytes])
             self.at_hand = MastersAtHand(self.layout, self.device, self.stepper, cfg.reuse_budget + queue_bytes,
                                          cfg.compute_dtype if self.stepper.split else torch.float32)
